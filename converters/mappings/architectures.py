@@ -1,0 +1,106 @@
+"""The mappings, one per architecture family. Names only; shapes come from the configs."""
+
+from __future__ import annotations
+
+from converters.mappings.base import GLU_, QKV_, Mapping, Rule
+
+L = "decoder.layers.{L}."
+H = "model.layers.{L}."
+
+
+def untied(m, _):
+    return not m.tied
+
+
+def q_lora(m, _):
+    return m.q_lora
+
+
+def no_q_lora(m, _):
+    return not m.q_lora
+
+
+def dense(m, layer):
+    return not m.is_moe_layer(layer)
+
+
+def moe(m, layer):
+    return m.is_moe_layer(layer)
+
+
+def shared(m, layer):
+    return m.is_moe_layer(layer) and bool(m.get("n_shared_experts"))
+
+
+def expert_bias(m, layer):
+    return m.is_moe_layer(layer) and m.model_type == "deepseek_v3"
+
+
+def qkv_bias(m, _):
+    return m.model_type == "qwen2" or bool(m.get("attention_bias"))
+
+
+def qk_norm(m, _):
+    return m.model_type == "qwen3"
+
+
+PRE = (Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight"),)
+POST = (Rule("decoder.final_layernorm.weight", "model.norm.weight"),
+        Rule("output_layer.weight", "lm_head.weight", when=untied))
+
+DENSE_MLP = (
+    Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), GLU_,
+         when=dense),
+    Rule(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight", when=dense),
+)
+
+NORMS = (
+    Rule(L + "input_layernorm.weight", H + "input_layernorm.weight"),
+    Rule(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight"),
+)
+
+DEEPSEEK = Mapping(
+    name="deepseek",
+    model_types=("deepseek_v3", "deepseek_v2"),
+    pre=PRE,
+    layer=NORMS + (
+        Rule(L + "self_attention.linear_q_down_proj.weight", H + "self_attn.q_a_proj.weight", when=q_lora),
+        Rule(L + "self_attention.q_layernorm.weight", H + "self_attn.q_a_layernorm.weight", when=q_lora),
+        Rule(L + "self_attention.linear_q_up_proj.weight", H + "self_attn.q_b_proj.weight", when=q_lora),
+        Rule(L + "self_attention.linear_q_proj.weight", H + "self_attn.q_proj.weight", when=no_q_lora),
+        Rule(L + "self_attention.linear_kv_down_proj.weight", H + "self_attn.kv_a_proj_with_mqa.weight"),
+        Rule(L + "self_attention.kv_layernorm.weight", H + "self_attn.kv_a_layernorm.weight"),
+        Rule(L + "self_attention.linear_kv_up_proj.weight", H + "self_attn.kv_b_proj.weight"),
+        Rule(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"),
+    ) + DENSE_MLP + (
+        Rule(L + "mlp.router.weight", H + "mlp.gate.weight", when=moe),
+        Rule(L + "mlp.router.expert_bias", H + "mlp.gate.e_score_correction_bias", when=expert_bias),
+        Rule(L + "mlp.experts.local_experts.{E}.linear_fc1.weight",
+             (H + "mlp.experts.{E}.gate_proj.weight", H + "mlp.experts.{E}.up_proj.weight"), GLU_,
+             when=moe, per_expert=True),
+        Rule(L + "mlp.experts.local_experts.{E}.linear_fc2.weight", H + "mlp.experts.{E}.down_proj.weight",
+             when=moe, per_expert=True),
+        Rule(L + "mlp.shared_experts.linear_fc1.weight",
+             (H + "mlp.shared_experts.gate_proj.weight", H + "mlp.shared_experts.up_proj.weight"), GLU_,
+             when=shared),
+        Rule(L + "mlp.shared_experts.linear_fc2.weight", H + "mlp.shared_experts.down_proj.weight",
+             when=shared),
+    ),
+    post=POST,
+)
+
+DENSE = Mapping(
+    name="dense",
+    model_types=("llama", "qwen2", "qwen3"),
+    pre=PRE,
+    layer=NORMS + (
+        Rule(L + "self_attention.linear_qkv.weight",
+             tuple(H + f"self_attn.{x}_proj.weight" for x in "qkv"), QKV_),
+        Rule(L + "self_attention.linear_qkv.bias",
+             tuple(H + f"self_attn.{x}_proj.bias" for x in "qkv"), QKV_, when=qkv_bias),
+        Rule(L + "self_attention.q_layernorm.weight", H + "self_attn.q_norm.weight", when=qk_norm),
+        Rule(L + "self_attention.k_layernorm.weight", H + "self_attn.k_norm.weight", when=qk_norm),
+        Rule(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"),
+    ) + DENSE_MLP,
+    post=POST,
+)

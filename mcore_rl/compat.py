@@ -1,0 +1,152 @@
+"""Compatibility patches for megatron-core without TransformerEngine and on CPU.
+
+Every patch is named, says in one line why it exists, and is applied only for the
+megatron-core versions it was written against. `apply()` is idempotent and must run
+before a model is built (`mcore_rl.models.build_model` calls it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PATCHED_VERSIONS = ("0.16.",)
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    why: str
+    fn: Callable[[], None]
+    cpu_only: bool = False
+
+
+class _CpuCuda:
+    """Stands in for `torch.cuda` inside a megatron module: current_device() is the CPU."""
+
+    def __getattr__(self, item):
+        return getattr(torch.cuda, item)
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` as seen by a patched megatron module: everything but `cuda` is the real torch."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, item):
+        return getattr(torch, item)
+
+
+def _redirect_cuda_device(*modules: str) -> Callable[[], None]:
+    def fn():
+        for name in modules:
+            importlib.import_module(name).torch = _CpuTorch("torch")
+
+    return fn
+
+
+def _mla_no_te():
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    from megatron.core.extensions import transformer_engine as te_ext  # noqa: F401
+
+    if not _have_te():
+        mla.HAVE_TE = False
+
+
+def _moe_gemm_no_te():
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _rng_tracker_cpu():
+    from megatron.core import tensor_parallel
+
+    def seed(seed: int, *args, **kwargs):
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        torch.manual_seed(seed)
+
+    tensor_parallel.model_parallel_cuda_manual_seed = seed
+    tensor_parallel.random.model_parallel_cuda_manual_seed = seed
+
+
+def _schedules_cpu():
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuTorch("torch")
+    real_zeros = torch.zeros
+
+    def zeros(*args, device=None, **kwargs):
+        return real_zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    schedules.torch.__dict__["zeros"] = zeros
+
+
+PATCHES = (
+    Patch("mla_no_te", "MLA believes TE is present when TE's import was replaced by a MagicMock",
+          _mla_no_te),
+    Patch("moe_gemm_no_te", "moe_utils calls te_general_gemm, undefined when TE is absent",
+          _moe_gemm_no_te),
+    Patch("cpu_device", "rope, router and GPT buffers call torch.cuda.current_device() even with "
+          "use_cpu_initialization", _redirect_cuda_device(
+              "megatron.core.models.common.embeddings.rotary_pos_embedding",
+              "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+              "megatron.core.transformer.moe.router",
+              "megatron.core.models.gpt.gpt_model",
+              "megatron.core.transformer.moe.moe_layer",
+              "megatron.core.transformer.moe.token_dispatcher",
+              "megatron.core.transformer.moe.moe_utils",
+          ), cpu_only=True),
+    Patch("cpu_rng", "model_parallel_cuda_manual_seed asserts CUDA", _rng_tracker_cpu,
+          cpu_only=True),
+    Patch("cpu_schedules", "pipeline schedules allocate loss buffers with device='cuda'",
+          _schedules_cpu, cpu_only=True),
+)
+
+_applied: set[str] = set()
+
+
+def _have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def megatron_version() -> str:
+    from megatron.core.package_info import __version__
+
+    return __version__
+
+
+def apply(cpu: bool | None = None) -> list[str]:
+    """Apply the patches that this megatron-core version and device need; return their names."""
+    version = megatron_version()
+    if not version.startswith(PATCHED_VERSIONS):
+        log.warning("megatron-core %s is not one the compat patches were written for (%s); "
+                    "applying none", version, PATCHED_VERSIONS)
+        return []
+    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    for patch in PATCHES:
+        if patch.name in _applied or (patch.cpu_only and not cpu):
+            continue
+        patch.fn()
+        _applied.add(patch.name)
+        log.debug("compat patch %s: %s", patch.name, patch.why)
+    return sorted(_applied)

@@ -1,0 +1,99 @@
+"""Build a megatron-core GPTModel for an HF architecture at the current parallel layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mcore_rl import compat
+from mcore_rl.models.config import HFModel, UnsupportedModelError, _rope_scaling, _rope_theta
+
+# Checkpoint metadata used for every save and load: one key per layer and per expert, and
+# gate/up halves of GLU weights as their own keys. This keeps checkpoint keys 1:1 with
+# whole tensors, so converters can stream them without knowing the writer's layout.
+SHARDED_METADATA = {"non_homogeneous_layers": True, "singleton_local_shards": True}
+
+
+def _rewrite_spec(spec, norm, core_attention):
+    """Swap megatron's local norms and core attention for ours, everywhere in a spec tree."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    norms = {WrappedTorchNorm}
+    try:
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+        norms.add(FusedLayerNorm)
+    except ImportError:  # pragma: no cover
+        pass
+
+    def fix(x):
+        if isinstance(x, type):
+            if x in norms:
+                return norm
+            if x is DotProductAttention:
+                return core_attention
+            return x
+        if isinstance(x, ModuleSpec):
+            x.module = fix(x.module)
+            if x.submodules is not None:
+                x.submodules = fix(x.submodules)
+            return x
+        if isinstance(x, (list, tuple)):
+            return type(x)(fix(v) for v in x)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            for f in dataclasses.fields(x):
+                setattr(x, f.name, fix(getattr(x, f.name)))
+            return x
+        return x
+
+    return fix(spec)
+
+
+def use_te() -> bool:
+    return compat._have_te() and torch.cuda.is_available()
+
+
+def layer_spec(config, vp_stage=None):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from mcore_rl.models.layers import RMSNorm, SDPACoreAttention
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                      normalization="RMSNorm", vp_stage=vp_stage)
+    return _rewrite_spec(spec, RMSNorm, SDPACoreAttention)
+
+
+def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_process=None):
+    """A GPTModel for `hf` on this rank's pipeline stage (parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    compat.apply()
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    rope = dict(position_embedding_type="rope", rotary_base=_rope_theta(hf))
+    rs = _rope_scaling(hf)
+    if rs and not hf.is_mla:
+        if rs["rope_type"] != "llama3" or (rs.get("low_freq_factor", 1), rs.get("high_freq_factor", 4),
+                                           rs.get("original_max_position_embeddings", 8192)) != (1, 4, 8192):
+            raise UnsupportedModelError(f"rope_scaling {rs} is not supported")
+        rope.update(rope_scaling=True, rope_scaling_factor=float(rs["factor"]))
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, vp_stage),
+        vocab_size=hf.vocab_size,
+        max_sequence_length=hf.get("max_position_embeddings", 4096),
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=hf.tied,
+        parallel_output=True,
+        vp_stage=vp_stage,
+        **rope,
+    )
+    if not config.use_cpu_initialization and torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

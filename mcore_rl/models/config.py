@@ -1,0 +1,239 @@
+"""HuggingFace `config.json` -> megatron-core TransformerConfig, one function per family."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """The facts about an HF model that the model builder and the mappings need."""
+
+    model_type: str
+    cfg: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str) -> "HFModel":
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "HFModel":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED:
+            raise UnsupportedModelError(
+                f"unknown model_type {model_type!r}: supported are {', '.join(SUPPORTED)}")
+        return cls(model_type, dict(cfg))
+
+    def __getattr__(self, item):
+        try:
+            return self.cfg[item]
+        except KeyError:
+            raise AttributeError(item) from None
+
+    def get(self, key, default=None):
+        return self.cfg.get(key, default)
+
+    # ---- structure -----------------------------------------------------------------
+    @property
+    def is_mla(self) -> bool:
+        return self.model_type in ("deepseek_v3", "deepseek_v2")
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg["num_hidden_layers"]
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.get("n_routed_experts") or 0)
+
+    @property
+    def q_lora(self) -> bool:
+        return self.is_mla and self.get("q_lora_rank") is not None
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.get("tie_word_embeddings", False))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if not self.num_experts:
+            return False
+        k = self.get("first_k_dense_replace", 0)
+        freq = self.get("moe_layer_freq", 1)
+        return layer >= k and layer % freq == 0
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.get("num_key_value_heads") or self.cfg["num_attention_heads"]
+
+    @property
+    def head_dim(self) -> int:
+        return self.get("head_dim") or self.cfg["hidden_size"] // self.cfg["num_attention_heads"]
+
+
+def _rope_scaling(m: HFModel) -> dict[str, Any] | None:
+    rs = m.get("rope_scaling") or m.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    return None if kind in (None, "default") else {**rs, "rope_type": kind}
+
+
+def _rope_theta(m: HFModel) -> float:
+    rp = m.get("rope_parameters") or {}
+    return float(m.get("rope_theta") or rp.get("rope_theta") or 10000.0)
+
+
+def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+                       dtype: torch.dtype = torch.float32, cpu: bool | None = None,
+                       sequence_parallel: bool | None = None, recompute: bool = False,
+                       pp_first_layers: int | None = None, pp_last_layers: int | None = None,
+                       **overrides):
+    """Build the megatron-core (MLA)TransformerConfig for `m` at a parallel layout."""
+    from megatron.core.transformer.transformer_config import (MLATransformerConfig,
+                                                              TransformerConfig)
+
+    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    moe = m.num_experts > 0
+    if sequence_parallel is None:
+        sequence_parallel = tp > 1 and moe  # MoE + TP in training mode requires it
+    common: dict[str, Any] = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.get("rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp if moe else None,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=cpu,
+        perform_initialization=True,
+        init_method_std=m.get("initializer_range", 0.02),
+        attention_softmax_in_fp32=True,
+        num_layers_in_first_pipeline_stage=pp_first_layers,
+        num_layers_in_last_pipeline_stage=pp_last_layers,
+    )
+    if recompute:
+        common.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    if moe:
+        common.update(_moe_config(m))
+    if m.is_mla:
+        common.update(_mla_config(m))
+        cls = MLATransformerConfig
+    else:
+        common.update(_gqa_config(m))
+        cls = TransformerConfig
+    common.update(overrides)
+    return cls(**common)
+
+
+def _gqa_config(m: HFModel) -> dict[str, Any]:
+    out = dict(
+        num_query_groups=m.num_kv_heads,
+        kv_channels=m.head_dim,
+        add_qkv_bias=m.model_type == "qwen2" or bool(m.get("attention_bias", False)),
+        qk_layernorm=m.model_type == "qwen3",
+    )
+    if m.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+    return out
+
+
+def _mla_config(m: HFModel) -> dict[str, Any]:
+    rs = _rope_scaling(m)
+    out: dict[str, Any] = dict(
+        q_lora_rank=m.get("q_lora_rank"),
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rotary_base=_rope_theta(m),
+        qk_layernorm=True,  # the local MLA spec creates q/kv latent norms only when this is set
+        num_query_groups=m.num_attention_heads,
+        kv_channels=m.v_head_dim,
+    )
+    if rs is None:
+        out.update(rope_type="rope", rotary_scaling_factor=1.0)
+    elif rs["rope_type"] == "yarn":
+        out.update(rope_type="yarn", rotary_scaling_factor=float(rs["factor"]),
+                   original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                   beta_fast=float(rs.get("beta_fast", 32)), beta_slow=float(rs.get("beta_slow", 1)),
+                   mscale=float(rs.get("mscale", 1.0)),
+                   mscale_all_dim=float(rs.get("mscale_all_dim", 0.0)))
+    else:
+        raise UnsupportedModelError(f"rope_scaling type {rs['rope_type']!r} is not supported for MLA")
+    return out
+
+
+def _moe_config(m: HFModel) -> dict[str, Any]:
+    E, k = m.num_experts, m.num_experts_per_tok
+    n_group, topk_group = m.get("n_group") or 1, m.get("topk_group") or 1
+    sigmoid = m.get("scoring_func", "softmax") == "sigmoid" or m.model_type == "deepseek_v3"
+    if sigmoid:
+        # megatron ranks groups by the sum of the top (k / topk_group) scores; V3 uses the top 2
+        if n_group > 1 and k // topk_group != 2:
+            raise UnsupportedModelError(
+                f"group-limited routing with top-{k} over {topk_group} groups ranks groups by top-"
+                f"{k // topk_group} sums in megatron-core but by top-2 in DeepSeek-V3")
+        if not m.get("norm_topk_prob", True) and k > 1:
+            raise UnsupportedModelError("sigmoid routing with norm_topk_prob=False is not supported")
+        routing = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                       moe_router_pre_softmax=False)
+    else:
+        method = m.get("topk_method", "greedy")
+        if method == "group_limited_greedy" and n_group > 1 and k // topk_group != 1:
+            raise UnsupportedModelError(
+                "group_limited_greedy ranks groups by their max score; megatron-core ranks by "
+                f"top-{k // topk_group} sums")
+        pre_softmax = not m.get("norm_topk_prob", False)
+        routing = dict(moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)
+    scaling = float(m.get("routed_scaling_factor", 1.0) or 1.0)
+    freq = [1 if m.is_moe_layer(i) else 0 for i in range(m.num_layers)]
+    shared = m.get("n_shared_experts") or 0
+    return dict(
+        num_moe_experts=E,
+        moe_router_topk=k,
+        moe_ffn_hidden_size=m.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=(shared * m.moe_intermediate_size) or None,
+        moe_layer_freq=freq,
+        moe_router_num_groups=n_group if n_group > 1 else None,
+        moe_router_group_topk=topk_group if n_group > 1 else None,
+        moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+        **routing,
+    )

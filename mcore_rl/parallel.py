@@ -1,0 +1,63 @@
+"""Process groups: torch.distributed (gloo on CPU, NCCL on GPU) plus megatron's model-parallel state."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(layout: Layout = Layout(), *, rank: int | None = None,
+                     world_size: int | None = None, init_method: str | None = None,
+                     backend: str | None = None, seed: int = 1234) -> None:
+    """Initialise torch.distributed (if needed) and megatron's parallel state for `layout`."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from mcore_rl import compat
+
+    compat.apply()
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                                world_size=world_size)
+    world = dist.get_world_size()
+    if world % layout.model_parallel:
+        raise ValueError(f"world size {world} is not divisible by TP*PP = {layout.model_parallel}")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
