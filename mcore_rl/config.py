@@ -1,0 +1,531 @@
+"""Typed trainer config: dataclass sections, YAML + dotted `key=value` overrides, validation.
+
+    cfg = load_config("configs/x.yaml", ["actor.lr=1e-6", "trainer.logger=[console,jsonl]"])
+    print(to_yaml(cfg))
+
+Every mistake is reported before anything starts, all at once, in one ConfigError: unknown
+keys (with the closest valid key), wrong types (with the expected type), and layout checks
+against the cluster and the model's dimensions.
+`python -m mcore_rl.config CONFIG [key=value ...]` prints the resolved config or the errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Union
+
+import yaml
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+KLType = Literal["k1", "k2", "low_var_kl"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
+
+
+class ConfigError(ValueError):
+    """One or more config problems; `.errors` holds one line per problem."""
+
+    def __init__(self, errors: list[str] | str):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("invalid config:\n  " + "\n  ".join(self.errors))
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str | None = None  # HF checkpoint dir (config.json, tokenizer, safetensors)
+    hf_config: dict[str, Any] | None = None  # or an embedded HF config dict (tiny random model)
+    tokenizer_path: str | None = None  # defaults to hf_path
+    dtype: Dtype = "bf16"
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class ClusterConfig:
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    colocate: bool = True  # actor and rollout share all GPUs, taking turns
+    rollout_gpus: int = 0  # GPUs given to rollout alone when not colocated
+    device: Literal["gpu", "cpu"] = "gpu"  # cpu: gloo processes stand in for GPUs (tests)
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["embedded", "sglang"] = "sglang"
+    n: int = 8  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_prompt_len: int | None = None  # defaults to data.max_prompt_length
+    max_response_len: int = 1024
+    tp_size: int = 1
+    ep_size: int = 1
+    mem_fraction_static: float = 0.7
+    enable_memory_saver: bool = True
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: AdvEstimator = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: KLType = "k1"  # estimator used for the in-reward penalty
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: LossAggMode = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KLType = "low_var_kl"
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (times rollout.n samples)
+    micro_batch_size: int = 4  # samples per GPU per forward, when not use_dynamic_bsz
+    use_dynamic_bsz: bool = False  # pack micro-batches up to ppo_max_token_len_per_gpu tokens
+    ppo_max_token_len_per_gpu: int = 16384
+    tis_imp_ratio_cap: float | None = None  # truncated importance sampling cap; None disables
+
+
+@dataclass
+class CriticConfig:
+    enabled: bool = False
+    hf_path: str | None = None  # defaults to model.hf_path
+    lr: float = 1e-5
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+    ppo_epochs: int = 1
+    micro_batch_size: int = 4
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    filter_overlong_prompts: bool = True
+    truncation: Literal["error", "left", "right"] = "error"
+    train_batch_size: int = 1024  # prompts per step
+    val_batch_size: int | None = None  # None: the whole validation set at once
+    shuffle: bool = True
+    task: str | None = None  # an embedded generated task (mcore_rl.data.tasks) instead of files
+    task_train_size: int = 4096
+    task_val_size: int = 256
+
+
+@dataclass
+class TrainerConfig:
+    project: str = "mcore_rl"
+    experiment: str = "default"
+    output_dir: str = "outputs"
+    total_epochs: int = 1
+    total_training_steps: int | None = None  # overrides epochs * steps per epoch
+    save_freq: int = -1  # steps; -1 never
+    test_freq: int = -1
+    val_before_train: bool = True
+    resume: Literal["auto", "disable"] = "auto"
+    logger: list[Logger] = field(default_factory=lambda: ["console", "jsonl"])
+    seed: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ----------------------------------------------------------------------------- building
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is not None:
+        return str(tp).replace("typing.", "")
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _coerce(value, tp, path: str, errors: list[str]):
+    """Check `value` against the annotation `tp`; returns the (converted) value or raises _Mismatch."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _Mismatch
+        return _build(tp, value, path, errors)
+    if origin in (Union, types.UnionType):
+        for arm in sorted(args, key=lambda a: a is not type(None)):  # try None first
+            try:
+                return _coerce(value, arm, path, errors)
+            except _Mismatch:
+                continue
+        raise _Mismatch
+    if origin is Literal:
+        if value in args:
+            return value
+        raise _Mismatch
+    if origin is list:
+        items = value if isinstance(value, list) else [value] if isinstance(value, str) else None
+        if items is None:
+            raise _Mismatch
+        return [_coerce_or_report(v, args[0], f"{path}[{i}]", errors) for i, v in enumerate(items)]
+    if origin is dict or tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise _Mismatch
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-6` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _Mismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    raise TypeError(f"{path}: unsupported annotation {tp!r}")
+
+
+def _coerce_or_report(value, tp, path: str, errors: list[str]):
+    try:
+        return _coerce(value, tp, path, errors)
+    except _Mismatch:
+        msg = f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}"
+        if typing.get_origin(tp) is Literal and isinstance(value, str):
+            msg += _suggest(value, typing.get_args(tp))
+        errors.append(msg)
+        return None
+
+
+def _build(cls, data: dict, path: str, errors: list[str]):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            prefix = f"{path}." if path else ""
+            errors.append(f"unknown key {full!r}" + _suggest(f"{prefix}{key}", [prefix + n for n in names]))
+            continue
+        kwargs[key] = _coerce_or_report(value, hints[key], full, errors)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict | None) -> Config:
+    """Build a Config from a nested dict (missing keys take defaults); raises ConfigError."""
+    errors: list[str] = []
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping of sections, got {type(data).__name__}")
+    cfg = _build(Config, data or {}, "", errors)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` overrides (value parsed as a YAML scalar or list) to a nested dict."""
+    data = json.loads(json.dumps(data or {}))  # deep copy of plain YAML data
+    errors = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("+")  # tolerate hydra's "+key=value"
+        if not sep or not key:
+            errors.append(f"override {item!r} is not of the form key=value")
+            continue
+        node, parts = data, key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                errors.append(f"override {item!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    if errors:
+        raise ConfigError(errors)
+    return data
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None, *,
+                model_info: Callable[[ModelConfig], dict | None] | dict | None = None,
+                available_gpus: int | None = None, validate: bool = True) -> Config:
+    """Read YAML (optional), apply overrides, build and (by default) validate the config."""
+    data: Any = {}
+    if path:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    cfg = config_from_dict(apply_overrides(data, overrides or []))
+    if validate:
+        validate_config(cfg, model_info=model_info, available_gpus=available_gpus)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+def hf_model_dims(model: ModelConfig) -> dict | None:
+    """The HF config dict of the model: embedded, or read from a local hf_path; None if unknown."""
+    if model.hf_config is not None:
+        return model.hf_config
+    if model.hf_path and os.path.isfile(os.path.join(model.hf_path, "config.json")):
+        with open(os.path.join(model.hf_path, "config.json")) as f:
+            return json.load(f)
+    return None
+
+
+def _num_experts(hf: dict) -> int:
+    # DeepSeek: n_routed_experts; Qwen-MoE: num_experts; Mixtral: num_local_experts
+    return int(hf.get("n_routed_experts") or hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def actor_gpus(cfg: Config) -> int:
+    total = cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node
+    return total if cfg.cluster.colocate else total - cfg.cluster.rollout_gpus
+
+
+def rollout_gpus(cfg: Config) -> int:
+    c = cfg.cluster
+    return c.nnodes * c.n_gpus_per_node if c.colocate else c.rollout_gpus
+
+
+def _check_ranges(cfg: Config, errors: list[str]) -> None:
+    def need(ok: bool, msg: str):
+        if not ok:
+            errors.append(msg)
+
+    positive = {
+        "parallel": ("tp", "pp", "ep", "etp"), "cluster": ("nnodes", "n_gpus_per_node"),
+        "rollout": ("n", "max_response_len", "tp_size", "ep_size"),
+        "actor": ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size", "ppo_max_token_len_per_gpu"),
+        "critic": ("ppo_epochs", "micro_batch_size"),
+        "data": ("max_prompt_length", "train_batch_size", "task_train_size", "task_val_size"),
+        "trainer": ("total_epochs",),
+    }
+    for section, names in positive.items():
+        for name in names:
+            value = getattr(getattr(cfg, section), name)
+            need(value >= 1, f"{section}.{name} must be >= 1, got {value}")
+    for name in ("total_training_steps",):
+        value = cfg.trainer.total_training_steps
+        need(value is None or value >= 1, f"trainer.{name} must be >= 1 or null, got {value}")
+    a, r, alg = cfg.actor, cfg.rollout, cfg.algorithm
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        need(0 <= getattr(a, name) < 1, f"actor.{name} must be in [0, 1), got {getattr(a, name)}")
+    need(a.clip_ratio_c > 1, f"actor.clip_ratio_c must be > 1 (dual-clip bound), got {a.clip_ratio_c}")
+    need(a.lr > 0, f"actor.lr must be > 0, got {a.lr}")
+    need(a.tis_imp_ratio_cap is None or a.tis_imp_ratio_cap > 0,
+         f"actor.tis_imp_ratio_cap must be > 0 or null, got {a.tis_imp_ratio_cap}")
+    need(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    need(0 < r.mem_fraction_static < 1, f"rollout.mem_fraction_static must be in (0, 1), got "
+                                        f"{r.mem_fraction_static}")
+    for name in ("gamma", "lam"):
+        need(0 <= getattr(alg, name) <= 1, f"algorithm.{name} must be in [0, 1], got {getattr(alg, name)}")
+    need(alg.kl_ctrl.type == "fixed" or alg.kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon must be > 0")
+    need(alg.kl_ctrl.type == "fixed" or alg.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl must be > 0")
+
+
+def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) -> None:
+    c, p, r = cfg.cluster, cfg.parallel, cfg.rollout
+    total = c.nnodes * c.n_gpus_per_node
+    unit = "GPUs" if c.device == "gpu" else "processes"
+    if c.device == "gpu" and available_gpus is not None and total != available_gpus:
+        errors.append(f"cluster: nnodes * n_gpus_per_node = {c.nnodes} * {c.n_gpus_per_node} = {total}, "
+                      f"but {available_gpus} GPUs are available")
+    if c.colocate:
+        if c.rollout_gpus not in (0, total):
+            errors.append(f"cluster.rollout_gpus = {c.rollout_gpus} with colocate: true; colocated rollout "
+                          f"uses all {total} {unit} (set 0, or colocate: false)")
+    elif not 0 < c.rollout_gpus < total:
+        errors.append(f"cluster.rollout_gpus must be in [1, {total - 1}] when colocate is false "
+                      f"(the actor gets the rest of the {total} {unit}), got {c.rollout_gpus}")
+        return
+    world = actor_gpus(cfg)
+    if world % (p.tp * p.pp):
+        errors.append(f"parallel: tp * pp = {p.tp} * {p.pp} = {p.tp * p.pp} must divide the actor's "
+                      f"world size {world} ({unit})")
+    elif world % (p.pp * p.ep * p.etp):
+        errors.append(f"parallel: pp * ep * etp = {p.pp * p.ep * p.etp} must divide the actor's world size "
+                      f"{world} (megatron's expert-parallel groups)")
+    else:
+        dp = world // (p.tp * p.pp)
+        samples = cfg.actor.ppo_mini_batch_size * r.n
+        if samples % dp:
+            errors.append(f"actor.ppo_mini_batch_size * rollout.n = {samples} samples must split evenly over "
+                          f"data-parallel size {dp}")
+        elif not cfg.actor.use_dynamic_bsz and (samples // dp) % cfg.actor.micro_batch_size:
+            errors.append(f"actor.micro_batch_size = {cfg.actor.micro_batch_size} must divide the "
+                          f"{samples // dp} samples per rank of a mini-batch")
+    if rollout_gpus(cfg) % r.tp_size:
+        errors.append(f"rollout.tp_size = {r.tp_size} must divide the rollout's {rollout_gpus(cfg)} {unit}")
+    if r.tp_size % r.ep_size:
+        errors.append(f"rollout.ep_size = {r.ep_size} must divide rollout.tp_size = {r.tp_size}")
+    if r.engine == "sglang" and c.device == "cpu":
+        errors.append("rollout.engine 'sglang' needs cluster.device 'gpu' (use 'embedded' on CPU)")
+
+
+def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
+    m, p, r = cfg.model, cfg.parallel, cfg.rollout
+    if (m.hf_path is None) == (m.hf_config is None):
+        errors.append("model: set exactly one of model.hf_path and model.hf_config")
+    if hf is None:
+        return
+    missing = [k for k in ("num_attention_heads", "num_hidden_layers") if k not in hf]
+    if missing:
+        errors.append(f"model: the HF config lacks {', '.join(missing)}")
+        return
+    heads, layers, experts = hf["num_attention_heads"], hf["num_hidden_layers"], _num_experts(hf)
+    if heads % p.tp:
+        errors.append(f"parallel.tp = {p.tp} must divide the model's num_attention_heads = {heads}")
+    kv_heads = hf.get("num_key_value_heads")
+    if kv_heads and "kv_lora_rank" not in hf and kv_heads % p.tp:  # MLA has no KV-head groups
+        errors.append(f"parallel.tp = {p.tp} must divide the model's num_key_value_heads = {kv_heads}")
+    if layers < p.pp:
+        errors.append(f"parallel.pp = {p.pp} exceeds the model's num_hidden_layers = {layers}")
+    if experts:
+        if experts % p.ep:
+            errors.append(f"parallel.ep = {p.ep} must divide the model's {experts} routed experts")
+        if experts % r.ep_size:
+            errors.append(f"rollout.ep_size = {r.ep_size} must divide the model's {experts} routed experts")
+        if p.tp > 1 and not p.sequence_parallel:
+            errors.append("parallel.sequence_parallel must be true for an MoE model with tp > 1")
+    elif p.ep > 1:
+        errors.append(f"parallel.ep = {p.ep} but the model has no routed experts")
+
+
+def _check_algorithm(cfg: Config, errors: list[str]) -> None:
+    alg, a, r, d = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data
+    if alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
+        errors.append(f"rollout.n must be >= 2 for algorithm.adv_estimator {alg.adv_estimator!r} "
+                      f"(it compares the responses of one prompt), got {r.n}")
+    if alg.adv_estimator == "gae" and not cfg.critic.enabled:
+        errors.append("algorithm.adv_estimator 'gae' needs critic.enabled: true")
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        errors.append(f"actor.ppo_mini_batch_size = {a.ppo_mini_batch_size} must divide "
+                      f"data.train_batch_size = {d.train_batch_size}")
+    if r.max_prompt_len is not None and r.max_prompt_len != d.max_prompt_length:
+        errors.append(f"rollout.max_prompt_len = {r.max_prompt_len} differs from data.max_prompt_length = "
+                      f"{d.max_prompt_length} (leave rollout.max_prompt_len unset)")
+    seq_len = d.max_prompt_length + r.max_response_len
+    if a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu < seq_len:
+        errors.append(f"actor.ppo_max_token_len_per_gpu = {a.ppo_max_token_len_per_gpu} is below one full "
+                      f"sequence (max_prompt_length + max_response_len = {seq_len})")
+    if not d.train_files and d.task is None:
+        errors.append("data: set data.train_files or data.task")
+    if d.task is not None:
+        from mcore_rl.data.tasks import TASKS
+        if d.task not in TASKS:
+            errors.append(f"data.task: unknown task {d.task!r}{_suggest(d.task, TASKS)}; known: {sorted(TASKS)}")
+    if "wandb" in cfg.trainer.logger and not cfg.trainer.project:
+        errors.append("trainer.project must be set for the wandb logger")
+
+
+def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | None] | dict | None = None,
+                    available_gpus: int | None = None) -> Config:
+    """Cross-check the sections; raises ConfigError listing every problem. Fills derived defaults.
+
+    model_info: the model's HF config dict, or a callable returning it from cfg.model; by default
+    the embedded hf_config or hf_path/config.json (model checks are skipped if neither is there).
+    available_gpus: when given and cluster.device is gpu, the cluster must have exactly these.
+    """
+    errors: list[str] = []
+    _check_ranges(cfg, errors)
+    _check_layout(cfg, errors, available_gpus)
+    hf = model_info(cfg.model) if callable(model_info) else model_info
+    _check_model(cfg, errors, hf if hf is not None else hf_model_dims(cfg.model))
+    _check_algorithm(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+    if cfg.rollout.max_prompt_len is None:
+        cfg.rollout.max_prompt_len = cfg.data.max_prompt_length
+    return cfg
+
+
+# ----------------------------------------------------------------------------- output
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m mcore_rl.config CONFIG.yaml [key=value ...]")
+        return 0 if argv else 2
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(to_yaml(cfg), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

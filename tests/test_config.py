@@ -1,0 +1,140 @@
+"""Config: YAML + overrides, typed building with suggestions, cross checks, YAML round trip."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mcore_rl.config import (Config, ConfigError, apply_overrides, config_from_dict, load_config,
+                             to_yaml, validate_config)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "grpo_tiny_task_cpu.yaml")
+MOE = dict(model_type="deepseek_v3", num_attention_heads=16, num_hidden_layers=4, n_routed_experts=64,
+           kv_lora_rank=16)
+
+
+def errors_of(overrides, path=TINY, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides, **kwargs)
+    return str(info.value)
+
+
+def gpu_overrides(n_gpus=8, **extra):
+    base = {"cluster.device": "gpu", "cluster.n_gpus_per_node": n_gpus, "rollout.engine": "sglang",
+            "actor.ppo_mini_batch_size": 16, "data.train_batch_size": 32}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def test_shipped_tiny_config_is_valid_and_resolves_derived_values():
+    cfg = load_config(TINY)
+    assert isinstance(cfg, Config)
+    assert cfg.data.task == "copy_last" and cfg.actor.lr == 1e-3
+    assert cfg.rollout.max_prompt_len == cfg.data.max_prompt_length == 8  # filled from data
+
+
+def test_overrides_parse_yaml_values_and_coerce_types():
+    cfg = load_config(TINY, ["actor.lr=1e-6", "trainer.logger=[console,tensorboard]", "rollout.n=4",
+                             "data.train_files=/d/train.parquet", "+trainer.seed=7",
+                             "model.hf_config.num_hidden_layers=3", "actor.tis_imp_ratio_cap=2"])
+    assert cfg.actor.lr == 1e-6 and isinstance(cfg.actor.lr, float)  # YAML 1.1 reads 1e-6 as a string
+    assert cfg.trainer.logger == ["console", "tensorboard"]
+    assert cfg.rollout.n == 4 and cfg.trainer.seed == 7
+    assert cfg.data.train_files == ["/d/train.parquet"]  # a single path becomes a list
+    assert cfg.model.hf_config["num_hidden_layers"] == 3 and cfg.model.hf_config["vocab_size"] == 16
+    assert cfg.actor.tis_imp_ratio_cap == 2.0
+
+
+def test_unknown_keys_and_bad_types_are_all_reported_with_suggestions():
+    msg = errors_of(["actor.clip_ratio_hgih=0.3", "actr.lr=1", "actor.ppo_epochs=two",
+                     "actor.loss_agg_mode=token_mean", "trainer.logger=[console,tensorbord]",
+                     "rollout.enable_memory_saver=maybe"])
+    assert "unknown key 'actor.clip_ratio_hgih' (did you mean 'actor.clip_ratio_high'?)" in msg
+    assert "unknown key 'actr' (did you mean 'actor'?)" in msg
+    assert "actor.ppo_epochs: expected int, got str 'two'" in msg
+    assert "(did you mean 'token-mean'?)" in msg
+    assert "trainer.logger[1]" in msg and "(did you mean 'tensorboard'?)" in msg
+    assert "rollout.enable_memory_saver: expected bool" in msg
+
+
+def test_malformed_overrides_and_sections():
+    assert "not of the form key=value" in errors_of(["actor.lr"])
+    assert "actor.lr is a value, not a section" in errors_of(["actor.lr.x=1"])
+    with pytest.raises(ConfigError, match="actor: expected ActorConfig"):
+        config_from_dict({"actor": 3})
+    with pytest.raises(ConfigError, match="model.hf_config: expected"):
+        config_from_dict({"model": {"hf_config": [1, 2]}})
+
+
+def test_gpu_count_and_parallel_layout_checks():
+    assert load_config(TINY, gpu_overrides(8, **{"parallel.tp": 2, "parallel.pp": 2}), available_gpus=8)
+    msg = errors_of(gpu_overrides(8), available_gpus=16)
+    assert "nnodes * n_gpus_per_node = 1 * 8 = 8, but 16 GPUs are available" in msg
+    assert "tp * pp = 3 * 1 = 3 must divide the actor's world size 8" in errors_of(
+        gpu_overrides(8, **{"parallel.tp": 3}))
+    # not colocated: the actor gets what the rollout does not
+    assert "world size 6" in errors_of(gpu_overrides(8, **{"cluster.colocate": False,
+                                                            "cluster.rollout_gpus": 2, "parallel.tp": 4}))
+    assert "rollout_gpus must be in [1, 7]" in errors_of(gpu_overrides(8, **{"cluster.colocate": False}))
+    assert "rollout.tp_size = 3 must divide" in errors_of(gpu_overrides(8, **{"rollout.tp_size": 3}))
+    assert "needs cluster.device 'gpu'" in errors_of(["rollout.engine=sglang"])
+    assert "must split evenly over data-parallel size" in errors_of(
+        gpu_overrides(8, **{"actor.ppo_mini_batch_size": 1, "data.train_batch_size": 1, "rollout.n": 2}))
+
+
+def test_model_dimension_checks_from_dict_callable_or_hf_path(tmp_path):
+    moe = gpu_overrides(8, **{"parallel.tp": 8, "parallel.ep": 3, "parallel.pp": 1})
+    msg = errors_of(moe, model_info=dict(MOE, num_attention_heads=12))
+    assert "parallel.tp = 8 must divide the model's num_attention_heads = 12" in msg
+    assert "parallel.ep = 3 must divide the model's 64 routed experts" in msg
+    assert "sequence_parallel must be true" in msg
+    seen = []
+    msg = errors_of(gpu_overrides(8, **{"parallel.pp": 8}),
+                    model_info=lambda m: seen.append(m.hf_config["model_type"]) or MOE)
+    assert seen == ["qwen3"] and "parallel.pp = 8 exceeds the model's num_hidden_layers = 4" in msg
+    # from hf_path/config.json; kv heads checked for GQA models
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2,
+                                                      "num_hidden_layers": 2}))
+    msg = errors_of(gpu_overrides(8, **{"parallel.tp": 4, "model.hf_config": "null",
+                                        "model.hf_path": str(tmp_path)}))
+    assert "num_key_value_heads = 2" in msg and "num_attention_heads" not in msg
+    assert "exactly one of model.hf_path and model.hf_config" in errors_of([f"model.hf_path={tmp_path}"])
+
+
+def test_algorithm_and_batch_checks():
+    assert "rollout.n must be >= 2" in errors_of(["rollout.n=1"])
+    assert "needs critic.enabled" in errors_of(["algorithm.adv_estimator=gae"])
+    assert load_config(TINY, ["algorithm.adv_estimator=gae", "critic.enabled=true"])
+    assert "must divide data.train_batch_size" in errors_of(["actor.ppo_mini_batch_size=12"])
+    assert "below one full sequence" in errors_of(["actor.use_dynamic_bsz=true",
+                                                   "actor.ppo_max_token_len_per_gpu=10"])
+    assert "clip_ratio_c must be > 1" in errors_of(["actor.clip_ratio_c=1.0"])
+    assert "did you mean 'copy_last'" in errors_of(["data.task=copy_lst"])
+    assert "set data.train_files or data.task" in errors_of(["data.task=null"])
+    assert "differs from data.max_prompt_length" in errors_of(["rollout.max_prompt_len=99"])
+
+
+def test_yaml_dump_round_trips(tmp_path):
+    cfg = load_config(TINY, ["actor.lr=3e-6", "trainer.logger=[jsonl]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg
+    assert yaml.safe_load(to_yaml(cfg))["actor"]["lr"] == 3e-6
+
+
+def test_defaults_need_only_a_model_and_data():
+    cfg = config_from_dict(apply_overrides({}, ["model.hf_path=/m", "data.train_files=[a.parquet]"]))
+    assert validate_config(cfg).trainer.logger == ["console", "jsonl"]
+
+
+def test_cli_prints_resolved_yaml_or_errors():
+    ok = subprocess.run([sys.executable, "-m", "mcore_rl.config", TINY, "rollout.n=4"], capture_output=True,
+                        text=True, cwd=ROOT)
+    assert ok.returncode == 0 and yaml.safe_load(ok.stdout)["rollout"]["n"] == 4
+    bad = subprocess.run([sys.executable, "-m", "mcore_rl.config", TINY, "rollout.m=4"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "did you mean 'rollout.n'" in bad.stderr
