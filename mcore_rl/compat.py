@@ -38,6 +38,10 @@ class _CpuCuda:
     def current_device():
         return "cpu"
 
+    @staticmethod
+    def synchronize(*_, **__):
+        return None  # nothing to wait for on the CPU
+
 
 class _CpuTorch(types.ModuleType):
     """`torch` as seen by a patched megatron module: everything but `cuda` is the real torch."""
@@ -97,23 +101,47 @@ def _schedules_cpu():
     schedules.torch.__dict__["zeros"] = zeros
 
 
+def _tied_embeddings_cpu():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def cpu_setup(self):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = cpu_setup
+
+
 PATCHES = (
     Patch("mla_no_te", "MLA believes TE is present when TE's import was replaced by a MagicMock",
           _mla_no_te),
     Patch("moe_gemm_no_te", "moe_utils calls te_general_gemm, undefined when TE is absent",
           _moe_gemm_no_te),
-    Patch("cpu_device", "rope, router and GPT buffers call torch.cuda.current_device() even with "
-          "use_cpu_initialization", _redirect_cuda_device(
-              "megatron.core.models.common.embeddings.rotary_pos_embedding",
-              "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
-              "megatron.core.transformer.moe.router",
-              "megatron.core.models.gpt.gpt_model",
-              "megatron.core.transformer.moe.moe_layer",
-              "megatron.core.transformer.moe.token_dispatcher",
-              "megatron.core.transformer.moe.moe_utils",
-          ), cpu_only=True),
+    Patch("cpu_device", "rope, router, GPT buffers and the checkpoint writer call torch.cuda "
+          "(current_device, synchronize) even with use_cpu_initialization", _redirect_cuda_device(*(f"megatron.core.{m}" for m in (
+              "models.common.embeddings.rotary_pos_embedding",
+              "models.common.embeddings.yarn_rotary_pos_embedding",
+              "models.gpt.gpt_model",
+              "tensor_parallel.mappings", "tensor_parallel.layers", "tensor_parallel.utils",
+              "tensor_parallel.data", "utils",
+              "transformer.module", "transformer.transformer_layer", "transformer.attention",
+              "transformer.moe.router", "transformer.moe.moe_layer", "transformer.moe.experts",
+              "transformer.moe.token_dispatcher", "transformer.moe.moe_utils",
+              "pipeline_parallel.p2p_communication",
+              "distributed.distributed_data_parallel", "distributed.param_and_grad_buffer",
+              "optimizer.optimizer", "optimizer.distrib_optimizer",
+              "dist_checkpointing.strategies.filesystem_async",
+              "dist_checkpointing.strategies.state_dict_saver",
+          ))), cpu_only=True),
     Patch("cpu_rng", "model_parallel_cuda_manual_seed asserts CUDA", _rng_tracker_cpu,
           cpu_only=True),
+    Patch("cpu_tied_embeddings", "tied embeddings are moved to CUDA to be all-reduced between the "
+          "first and last pipeline stage", _tied_embeddings_cpu, cpu_only=True),
     Patch("cpu_schedules", "pipeline schedules allocate loss buffers with device='cuda'",
           _schedules_cpu, cpu_only=True),
 )

@@ -1,8 +1,10 @@
 """Megatron-core models built from HuggingFace configs."""
 
-from mcore_rl.models.config import HFModel, UnsupportedModelError, transformer_config
+from mcore_rl.models.config import (HFModel, LayoutError, UnsupportedModelError,
+                                    transformer_config, validate_layout)
 
-__all__ = ["HFModel", "UnsupportedModelError", "transformer_config", "build_model"]
+__all__ = ["HFModel", "LayoutError", "UnsupportedModelError", "transformer_config",
+           "validate_layout", "build_model"]
 
 
 def build_model(*args, **kwargs):

@@ -9,10 +9,19 @@ import torch
 from mcore_rl import compat
 from mcore_rl.models.config import HFModel, UnsupportedModelError, _rope_scaling, _rope_theta
 
-# Checkpoint metadata used for every save and load: one key per layer and per expert, and
-# gate/up halves of GLU weights as their own keys. This keeps checkpoint keys 1:1 with
-# whole tensors, so converters can stream them without knowing the writer's layout.
-SHARDED_METADATA = {"non_homogeneous_layers": True, "singleton_local_shards": True}
+
+
+def sharded_state_dict(model) -> dict:
+    """The model's sharded state dict as every save and load in mcore_rl uses it.
+
+    One key per layer and per expert, and gate/up halves of GLU weights as their own keys:
+    checkpoint keys stay 1:1 with whole tensors, so converters can stream them without
+    knowing the writer's layout. Extra state (empty without TE) is left out.
+    """
+    # megatron adds process groups to the metadata dict, so each call gets a fresh one
+    metadata = {"non_homogeneous_layers": True, "singleton_local_shards": True}
+    return {k: v for k, v in model.sharded_state_dict(metadata=metadata).items()
+            if not k.endswith("_extra_state")}
 
 
 def _rewrite_spec(spec, norm, core_attention):

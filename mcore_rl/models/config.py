@@ -109,6 +109,10 @@ def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
     moe = m.num_experts > 0
     if sequence_parallel is None:
         sequence_parallel = tp > 1 and moe  # MoE + TP in training mode requires it
+    if pp > 1 and m.num_layers % pp and pp_first_layers is None and pp_last_layers is None:
+        # uneven split (e.g. DeepSeek-V3's 61 layers): the remainder goes to the last stage
+        pp_first_layers = m.num_layers // pp
+        pp_last_layers = m.num_layers - (pp - 1) * pp_first_layers
     common: dict[str, Any] = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -237,3 +241,37 @@ def _moe_config(m: HFModel) -> dict[str, Any]:
         moe_grouped_gemm=False,
         **routing,
     )
+
+
+class LayoutError(ValueError):
+    pass
+
+
+def validate_layout(m: HFModel, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> None:
+    """Refuse a parallel layout the model cannot be split into, naming the reason."""
+    problems = []
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp)):
+        if not isinstance(v, int) or v < 1:
+            problems.append(f"{name}={v!r} must be a positive integer")
+    if problems:
+        raise LayoutError("; ".join(problems))
+    heads = m.num_attention_heads
+    if heads % tp:
+        problems.append(f"tp={tp} does not divide num_attention_heads={heads}")
+    if not m.is_mla and m.num_kv_heads % tp:
+        problems.append(f"tp={tp} does not divide num_key_value_heads={m.num_kv_heads}")
+    if m.vocab_size % tp:
+        problems.append(f"tp={tp} does not divide vocab_size={m.vocab_size}")
+    if pp > m.num_layers:
+        problems.append(f"pp={pp} is larger than num_hidden_layers={m.num_layers}")
+    if m.num_experts:
+        if m.num_experts % ep:
+            problems.append(f"ep={ep} does not divide n_routed_experts={m.num_experts}")
+        if m.moe_intermediate_size % etp:
+            problems.append(f"etp={etp} does not divide moe_intermediate_size={m.moe_intermediate_size}")
+    elif ep != 1 or etp != 1:
+        problems.append(f"ep={ep}/etp={etp} need a MoE model; {m.model_type} has no experts")
+    if m.intermediate_size % tp:
+        problems.append(f"tp={tp} does not divide intermediate_size={m.intermediate_size}")
+    if problems:
+        raise LayoutError("invalid parallel layout: " + "; ".join(problems))

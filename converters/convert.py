@@ -1,0 +1,102 @@
+"""HF <-> megatron-core torch_dist conversion, streaming, with validation before any write."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+
+import torch
+from tqdm import tqdm
+
+from converters.hf_io import (CheckpointError, HFCheckpoint, ShardedWriter, atomic_dir,
+                              copy_side_files)
+from converters.mappings import mapping_for
+from converters.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, write_torch_dist
+from mcore_rl.models.config import HFModel, validate_layout
+
+log = logging.getLogger("converters")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _bar(total: int, desc: str):
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=os.environ.get("MCORE_RL_NO_PROGRESS") == "1")
+
+
+def plan_hf_import(hf: HFModel, ckpt: HFCheckpoint) -> list:
+    """Check the HF checkpoint has every tensor the mapping needs; report what is skipped."""
+    params = list(mapping_for(hf).params(hf))
+    needed = {h for p in params for h in p.hf}
+    missing = sorted(needed - set(ckpt.names()))
+    if missing:
+        raise CheckpointError(f"{ckpt.path}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+    extra = [n for n in ckpt.names() if n not in needed and not n.endswith("_scale_inv")]
+    mtp = [n for n in extra if (m := _LAYER.match(n)) and int(m.group(1)) >= hf.num_layers]
+    if mtp:
+        layers = sorted({int(_LAYER.match(n).group(1)) for n in mtp})
+        log.warning("skipping %d multi-token-prediction tensors (layers %s): megatron MTP is not "
+                    "converted", len(mtp), layers)
+    other = sorted(set(extra) - set(mtp))
+    if other:
+        raise CheckpointError(f"{ckpt.path}: tensors with no mapping rule: {other[:5]}")
+    return params
+
+
+def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+                dtype: str = "bf16") -> str:
+    hf = HFModel.from_dir(hf_dir)
+    validate_layout(hf, tp, pp, ep, etp)
+    qcfg = hf.get("quantization_config") or {}
+    ckpt = HFCheckpoint(hf_dir, block_size=tuple(qcfg.get("weight_block_size", (128, 128))))
+    params = plan_hf_import(hf, ckpt)
+    total = sum(math.prod(ckpt.meta[h]["shape"]) for p in params for h in p.hf) * DTYPES[dtype].itemsize
+    with atomic_dir(out) as tmp, _bar(total, "hf -> mcore") as bar:
+        write_torch_dist(hf, lambda p: p.to_mcore(hf, [ckpt.get(h) for h in p.hf]), tmp,
+                         DTYPES[dtype], bar, meta={"layout": dict(tp=tp, pp=pp, ep=ep, etp=etp),
+                                                   "source": os.path.abspath(hf_dir)})
+        os.makedirs(os.path.join(tmp, HF_DIR))
+        copy_side_files(hf_dir, os.path.join(tmp, HF_DIR))
+        _write_config(hf, os.path.join(tmp, HF_DIR))
+    ckpt.close()
+    return out
+
+
+def _write_config(hf: HFModel, dst: str):
+    # weights are dequantized on import, so the exported config must not claim FP8
+    cfg = {k: v for k, v in hf.cfg.items() if k != "quantization_config"}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: str | None = None,
+                max_shard_bytes: int = 5 * 2**30) -> str:
+    side = hf_config or os.path.join(ckpt_dir, HF_DIR)
+    if not os.path.exists(os.path.join(side, "config.json")):
+        raise CheckpointError(f"no HF config.json in {side}; pass --hf-config DIR")
+    hf = HFModel.from_dir(side)
+    reader = TorchDistReader(ckpt_dir, hf)
+    cast = DTYPES[dtype] if dtype else None
+    total = sum(reader.metadata.state_dict_metadata[k].size.numel() for e in reader.entries.values()
+                for k in e.keys)
+    with atomic_dir(out) as tmp, tqdm(total=total, desc="mcore -> hf", unit=" params",
+                                      unit_scale=True,
+                                      disable=os.environ.get("MCORE_RL_NO_PROGRESS") == "1") as bar:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for param, t in reader.params():
+            bar.update(t.numel())
+            for name, x in param.to_hf(hf, t).items():
+                writer.add(name, x if cast is None else x.to(cast))
+        writer.close()
+        copy_side_files(side, tmp)
+        _write_config(hf, tmp)
+    return out
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    with open(os.path.join(ckpt_dir, MCORE_RL_META)) as f:
+        return json.load(f)

@@ -1,0 +1,191 @@
+"""Streaming access to HuggingFace safetensors checkpoints: a validating reader and a sharded writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import uuid
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt",
+              "added_tokens.json", "chat_template.jinja")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def _header(path: str) -> dict:
+    """Parse a safetensors header and check the file holds every byte it promises."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated (no safetensors header)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise CheckpointError(f"{path}: truncated (header claims {n} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: truncated: tensors need {8 + n + end} bytes, file has {size}")
+    return header
+
+
+class HFCheckpoint:
+    """Tensor-by-tensor reader. Validates every shard up front; dequantizes FP8 block weights."""
+
+    def __init__(self, path: str, block_size: tuple[int, int] | None = None):
+        self.path = path
+        index = os.path.join(path, INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.exists(single):
+                raise CheckpointError(f"{path}: no {INDEX} and no model.safetensors")
+            weight_map = {k: "model.safetensors" for k in _header(single) if k != "__metadata__"}
+        self.files = sorted(set(weight_map.values()))
+        missing = [f for f in self.files if not os.path.exists(os.path.join(path, f))]
+        if missing:
+            raise CheckpointError(f"{path}: missing safetensors shard(s): {', '.join(missing)}")
+        self.meta: dict[str, dict] = {}
+        for fname in self.files:
+            for k, v in _header(os.path.join(path, fname)).items():
+                if k != "__metadata__":
+                    self.meta[k] = {**v, "file": fname}
+        absent = sorted(k for k, f in weight_map.items() if k not in self.meta)
+        if absent:
+            raise CheckpointError(f"{path}: index lists tensors absent from their shard: {absent[:5]}")
+        self.block_size = block_size or (128, 128)
+        self._handles: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self.meta)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.meta
+
+    def nbytes(self, name: str) -> int:
+        a, b = self.meta[name]["data_offsets"]
+        return b - a
+
+    def _raw(self, name: str) -> torch.Tensor:
+        if name not in self.meta:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+        fname = self.meta[name]["file"]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
+        return self._handles[fname].get_tensor(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._raw(name)
+        scale = name + "_scale_inv"
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and scale in self.meta:
+            t = dequantize_fp8(t, self._raw(scale), self.block_size)
+        return t
+
+    def close(self):
+        self._handles.clear()
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """DeepSeek-V3 block-wise FP8: each [bm, bn] block of `w` is multiplied by one scale."""
+    bm, bn = block
+    m, n = w.shape
+    s = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
+    return (w.float() * s).to(torch.bfloat16)
+
+
+@contextmanager
+def atomic_dir(out: str):
+    """Yield a temporary sibling directory that becomes `out` only if the block completes."""
+    out = os.path.abspath(out)
+    if os.path.exists(out) and os.listdir(out):
+        raise CheckpointError(f"{out} exists and is not empty")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+
+
+def copy_side_files(src: str, dst: str) -> list[str]:
+    """Copy config, generation config and tokenizer files that exist in `src`."""
+    copied = []
+    for name in SIDE_FILES:
+        p = os.path.join(src, name)
+        if os.path.exists(p):
+            shutil.copy2(p, os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
+class ShardedWriter:
+    """Write (name, tensor) pairs into size-bounded safetensors shards plus an index.
+
+    Holds at most one shard's worth of tensors; shard names get their final count at close().
+    """
+
+    def __init__(self, out: str, max_shard_bytes: int = 5 * 2**30):
+        self.out, self.max = out, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max:
+            self._flush()
+        self.pending[name] = t.detach().contiguous().cpu()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+
+    def add_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, t in items:
+            self.add(name, t)
+
+    def _flush(self):
+        path = os.path.join(self.out, f"part-{len(self.shards):05d}.safetensors")
+        save_file(self.pending, path, metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> dict[str, str]:
+        if self.pending:
+            self._flush()
+        n = len(self.shards)
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(os.path.join(self.out, f"part-{i:05d}.safetensors"), os.path.join(self.out, final))
+            weight_map.update({k: final for k in names})
+        with open(os.path.join(self.out, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)
+        return weight_map
+
+
+def iter_tensors(ckpt: HFCheckpoint, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for n in names:
+        yield n, ckpt.get(n)

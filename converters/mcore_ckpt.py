@@ -1,0 +1,188 @@
+"""megatron-core torch_dist checkpoints, written and read one tensor at a time in one process.
+
+The checkpoint keys, shapes and the GLU gate/up split come from megatron itself: a meta-device
+model (no memory) at TP=PP=EP=1 gives its `sharded_state_dict`. We only supply tensor data,
+lazily, through the DCP save planner, so peak memory is a few tensors, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from converters.mappings import Param, mapping_for
+from mcore_rl.models.config import HFModel
+
+MCORE_RL_META = "mcore_rl.json"
+HF_DIR = "hf"  # config and tokenizer files travel with the checkpoint
+
+
+@dataclass
+class Entry:
+    """One megatron parameter and the checkpoint keys it is stored under."""
+
+    param: Param
+    keys: list[str]
+    shapes: list[tuple[int, ...]]
+    factory: object | None  # megatron ShardedTensorFactory (GLU split) or None
+
+
+def _ensure_single_process_group():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
+    """Megatron's sharded state dict for `hf` on the meta device, plus our Entry per parameter."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    from mcore_rl.models import build_model, transformer_config
+    from mcore_rl.models.builder import sharded_state_dict
+    from mcore_rl.parallel import Layout, init_distributed
+
+    _ensure_single_process_group()
+    if dist.get_world_size() != 1:
+        raise RuntimeError("skeleton() builds an unsharded model and must run in one process")
+    if not ps.model_parallel_is_initialized():
+        init_distributed(Layout())
+    with torch.device("meta"):
+        model = build_model(hf, transformer_config(hf, dtype=dtype, cpu=True, sequence_parallel=False,
+                                                   perform_initialization=False),
+                            pre_process=True, post_process=True)
+    sharded = sharded_state_dict(model)
+    params = mapping_for(hf).by_mcore(hf)
+    entries: dict[str, Entry] = {}
+    for name, v in sharded.items():
+        if name not in params:
+            raise KeyError(f"megatron parameter {name} has no mapping rule")
+        if isinstance(v, ShardedTensorFactory):
+            built = v.build()
+            keys, shapes = [s.key for s in built], [tuple(s.local_shape) for s in built]
+        else:
+            keys, shapes, v = [v.key], [tuple(v.local_shape)], None
+        entries[name] = Entry(params.pop(name), keys, shapes, v)
+    if params:
+        raise KeyError(f"mapping rules with no megatron parameter: {sorted(params)[:5]}")
+    return sharded, entries
+
+
+def write_torch_dist(hf: HFModel, produce: Callable[[Param], torch.Tensor], out: str,
+                     dtype: torch.dtype = torch.bfloat16, progress=None, meta: dict | None = None):
+    """Write a torch_dist checkpoint; `produce(param)` returns the full tensor for one parameter."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    sharded, entries = skeleton(hf, dtype)
+    by_key: dict[str, tuple[Entry, int]] = {}
+    for e in entries.values():
+        for i, k in enumerate(e.keys):
+            by_key[k] = (e, i)
+    for name, v in list(sharded.items()):
+        if isinstance(v, ShardedTensorFactory):
+            sharded[name] = v.build()
+    sharded, _common = save_preprocess(sharded, validate_access_integrity=True)
+    sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, False)
+    pyt = mcore_to_pyt_state_dict(sharded, False)
+    cache: dict[str, list] = {}
+
+    class LazyPlanner(MCoreSavePlanner):
+        def resolve_data(self, item):
+            e, i = by_key[item.index.fqn]
+            if e.param.mcore not in cache:
+                full = produce(e.param).to(dtype)
+                if e.factory is None:
+                    parts = [full]
+                else:
+                    f = e.factory
+                    parts = [s.data for s in f.build_fn(f.key, full, f.replica_id, None)]
+                cache[e.param.mcore] = [p.contiguous().clone() for p in parts]
+            parts = cache[e.param.mcore]
+            t, parts[i] = parts[i], None
+            if all(p is None for p in parts):
+                del cache[e.param.mcore]
+            if progress is not None:
+                progress.update(t.numel() * t.element_size())
+            return t
+
+    writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, sync_files=False)
+    dcp_save(pyt, storage_writer=writer, planner=LazyPlanner(dedup_replicated_tensors=False,
+                                                             flatten_state_dict=False))
+    torch.save({}, os.path.join(out, "common.pt"))
+    save_config(CheckpointingConfig("torch_dist", 1), out)
+    with open(os.path.join(out, MCORE_RL_META), "w") as f:
+        json.dump({"dtype": str(dtype).removeprefix("torch."), **(meta or {})}, f, indent=2)
+
+
+class TorchDistReader:
+    """Read whole parameters from a torch_dist checkpoint written at any TP/PP/EP layout."""
+
+    def __init__(self, ckpt: str, hf: HFModel):
+        from megatron.core.dist_checkpointing.core import maybe_load_config
+        from torch.distributed.checkpoint import FileSystemReader
+
+        cfg = maybe_load_config(ckpt)
+        if cfg is None or cfg.sharded_backend != "torch_dist":
+            raise FileNotFoundError(f"{ckpt}: not a megatron torch_dist checkpoint (metadata.json)")
+        self.ckpt, self.hf = ckpt, hf
+        self.reader = FileSystemReader(ckpt)
+        self.metadata = self.reader.read_metadata()
+        _, self.entries = skeleton(hf)
+        stored = self.metadata.state_dict_metadata
+        for e in self.entries.values():
+            for k, shape in zip(e.keys, e.shapes):
+                if k not in stored:
+                    raise KeyError(f"{ckpt}: checkpoint has no tensor {k}")
+                if tuple(stored[k].size) != shape:
+                    raise ValueError(f"{ckpt}: {k} has shape {tuple(stored[k].size)}, "
+                                     f"the model needs {shape}")
+
+    def _load(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint import load as dcp_load
+
+        stored = self.metadata.state_dict_metadata
+        out = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in keys}
+        reader = self.reader
+        reader.read_metadata = lambda *a, **kw: self.metadata  # parse .metadata once, not per call
+        dcp_load(out, storage_reader=reader)
+        return out
+
+    def params(self, max_bytes: int = 2**30) -> Iterator[tuple[Param, torch.Tensor]]:
+        """Yield (param, full tensor) in mapping order, reading about `max_bytes` per DCP call."""
+        stored = self.metadata.state_dict_metadata
+        batch: list = []
+        size = 0
+
+        def flush():
+            loaded = self._load([k for e in batch for k in e.keys])
+            for e in batch:
+                parts = [loaded.pop(k) for k in e.keys]
+                yield e.param, (parts[0] if e.factory is None else e.factory.merge_fn(parts))
+
+        order = {p.mcore: i for i, p in enumerate(mapping_for(self.hf).params(self.hf))}
+        for e in sorted(self.entries.values(), key=lambda e: order[e.param.mcore]):
+            batch.append(e)
+            size += sum(_nbytes(stored[k]) for k in e.keys)
+            if size >= max_bytes:
+                yield from flush()
+                batch, size = [], 0
+        if batch:
+            yield from flush()
+
+
+def _nbytes(md) -> int:
+    n = 1
+    for s in md.size:
+        n *= s
+    return n * torch.tensor([], dtype=md.properties.dtype).element_size()

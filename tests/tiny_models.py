@@ -1,0 +1,48 @@
+"""Tiny random HF models of every supported family, saved with transformers' own save_pretrained."""
+
+from __future__ import annotations
+
+import torch
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=512)
+MOE = dict(moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+           kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+
+FAMILIES = {
+    # DeepSeek-V3 / Moonlight shape: q_lora, YaRN, sigmoid + expert bias, groups, dense first layer
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        COMMON, **MOE, num_hidden_layers=4, n_shared_experts=1, num_experts_per_tok=4, n_group=2,
+        topk_group=2, first_k_dense_replace=1, q_lora_rank=32, routed_scaling_factor=2.5,
+        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=128,
+                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0))),
+    # DeepSeek-V2-Lite shape: no q_lora, softmax greedy routing, 2 shared experts
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        COMMON, **MOE, num_hidden_layers=3, n_shared_experts=2, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, topk_method="greedy",
+        routed_scaling_factor=1.0)),
+    "qwen2": ("Qwen2Config", dict(COMMON, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(COMMON, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32)),
+    "llama": ("LlamaConfig", dict(COMMON, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(family: str, out_dir: str, seed: int = 0):
+    """Save a random fp32 model of `family` to `out_dir`; return the model (eval mode)."""
+    import transformers
+
+    cls_name, kwargs = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # norms, biases and expert bias away from their trivial init values
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.normal_(0.0, 0.1)
+    model.save_pretrained(out_dir)
+    return model
