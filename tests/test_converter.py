@@ -1,0 +1,171 @@
+"""Converter behaviour beyond parity: bad input is refused before any write, FP8 and MTP import,
+the CLI, and bounded memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from converters import convert
+from converters.hf_io import CheckpointError, HFCheckpoint, dequantize_fp8
+from mcore_rl.models import LayoutError, UnsupportedModelError
+from tests.tiny_models import make_hf_model
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v3") / "hf"
+    make_hf_model("deepseek_v3", str(d))
+    return d
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _assert_no_output(out):
+    parent = os.path.dirname(out)
+    assert not os.path.exists(out), "partial output left behind"
+    assert not [p for p in os.listdir(parent) if ".tmp-" in p], "temporary directory left behind"
+
+
+@pytest.mark.parametrize("layout,msg", [
+    (dict(tp=3), "tp=3 does not divide num_attention_heads=4"),
+    (dict(ep=3), "ep=3 does not divide n_routed_experts=8"),
+    (dict(pp=5), "pp=5 is larger than num_hidden_layers=4"),
+    (dict(tp=0), "tp=0 must be a positive integer"),
+])
+def test_bad_layout_refused_before_writing(v3, tmp_path, layout, msg):
+    out = str(tmp_path / "ck")
+    with pytest.raises(LayoutError, match=msg):
+        convert.hf_to_mcore(str(v3), out, **layout)
+    _assert_no_output(out)
+
+
+def test_unknown_model_type(v3, tmp_path):
+    d = _copy(v3, tmp_path / "hf")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "mamba_v9"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="unknown model_type 'mamba_v9'"):
+        convert.hf_to_mcore(str(d), str(tmp_path / "ck"))
+    _assert_no_output(str(tmp_path / "ck"))
+
+
+def _shard(v3, tmp_path, n=2):
+    """Re-save the model as `n` shards with an index, as hub checkpoints are."""
+    d = tmp_path / "sharded"
+    d.mkdir()
+    shutil.copy(v3 / "config.json", d / "config.json")
+    tensors = load_file(str(v3 / "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(n):
+        part = {k: tensors[k] for k in names[i::n]}
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(part, str(d / fname))
+        weight_map.update({k: fname for k in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return d
+
+
+def test_missing_shard(v3, tmp_path):
+    d = _shard(v3, tmp_path)
+    os.remove(d / "model-00002-of-00002.safetensors")
+    with pytest.raises(CheckpointError, match="missing safetensors shard.*model-00002-of-00002"):
+        convert.hf_to_mcore(str(d), str(tmp_path / "ck"))
+    _assert_no_output(str(tmp_path / "ck"))
+
+
+def test_truncated_shard(v3, tmp_path):
+    d = _shard(v3, tmp_path)
+    p = d / "model-00001-of-00002.safetensors"
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match="model-00001-of-00002.safetensors: truncated"):
+        convert.hf_to_mcore(str(d), str(tmp_path / "ck"))
+    _assert_no_output(str(tmp_path / "ck"))
+
+
+def test_missing_tensor(v3, tmp_path):
+    d = _copy(v3, tmp_path / "hf")
+    t = load_file(str(d / "model.safetensors"))
+    del t["model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing.*experts.3.up_proj"):
+        convert.hf_to_mcore(str(d), str(tmp_path / "ck"))
+
+
+def test_output_not_overwritten(v3, tmp_path):
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "precious").write_text("x")
+    with pytest.raises(CheckpointError, match="exists and is not empty"):
+        convert.hf_to_mcore(str(v3), str(out))
+    assert (out / "precious").read_text() == "x"
+
+
+def test_dequantize_fp8_blocks():
+    w = torch.randn(300, 260)
+    block = (128, 128)
+    scale = torch.rand(3, 3) + 0.5  # one scale per 128x128 block, edges partial
+    expand = scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
+    q = (w / expand).to(torch.float8_e4m3fn)
+    got = dequantize_fp8(q, scale, block)
+    want = (q.float() * expand).to(torch.bfloat16)
+    assert torch.equal(got, want)
+    assert got.dtype == torch.bfloat16
+
+
+def test_fp8_checkpoint_with_mtp_layer_imports(v3, tmp_path, caplog):
+    """A DeepSeek-V3-style FP8 checkpoint (weight_scale_inv per 128x128 block, plus an MTP layer)
+    imports with dequantized weights and says it skipped the MTP tensors."""
+    d = _copy(v3, tmp_path / "fp8")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    cfg["num_nextn_predict_layers"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(d / "model.safetensors"))
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    w = t[name]
+    scale = torch.rand(-(-w.shape[0] // 16), -(-w.shape[1] // 16)) + 0.5
+    t[name] = (w / scale.repeat_interleave(16, 0)[: w.shape[0]].repeat_interleave(16, 1)[:, : w.shape[1]]
+               ).to(torch.float8_e4m3fn)
+    t[name + "_scale_inv"] = scale
+    t["model.layers.4.eh_proj.weight"] = torch.zeros(8, 8)  # MTP layer (index == num_layers)
+    save_file(t, str(d / "model.safetensors"))
+    ck = HFCheckpoint(str(d), block_size=(16, 16))
+    expected = ck.get(name)
+    out = tmp_path / "ck"
+    with caplog.at_level("WARNING"):
+        convert.hf_to_mcore(str(d), str(out), dtype="bf16")
+    assert "skipping 1 multi-token-prediction tensors (layers [4])" in caplog.text
+    back = tmp_path / "back"
+    convert.mcore_to_hf(str(out), str(back))
+    got = load_file(str(back / "model-00001-of-00001.safetensors"))[name]
+    assert torch.equal(got, expected)
+    assert "quantization_config" not in json.loads((back / "config.json").read_text())
+
+
+def test_cli_round_trip(v3, tmp_path):
+    env = dict(os.environ, MCORE_RL_NO_PROGRESS="1")
+    ck, back = tmp_path / "ck", tmp_path / "back"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "converters", *a], env=env,  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    r = run("hf-to-mcore", "--hf", str(v3), "--out", str(ck), "--tp", "2", "--ep", "2",
+            "--dtype", "fp32")
+    assert r.returncode == 0, r.stderr
+    r = run("mcore-to-hf", "--ckpt", str(ck), "--out", str(back))
+    assert r.returncode == 0, r.stderr
+    a, b = load_file(str(v3 / "model.safetensors")), load_file(str(back / "model-00001-of-00001.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    r = run("hf-to-mcore", "--hf", str(v3), "--out", str(tmp_path / "x"), "--ep", "3")
+    assert r.returncode == 2 and "ep=3 does not divide n_routed_experts=8" in r.stderr
