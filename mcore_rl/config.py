@@ -76,6 +76,8 @@ class RolloutConfig:
     ep_size: int = 1
     mem_fraction_static: float = 0.7
     enable_memory_saver: bool = True
+    val_temperature: float = 0.0  # validation sampling; 0 = greedy
+    val_n: int = 1
 
 
 @dataclass
@@ -100,6 +102,7 @@ class AlgorithmConfig:
 @dataclass
 class ActorConfig:
     lr: float = 1e-6
+    lr_warmup_steps: int = 0
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     clip_ratio_low: float = 0.2
@@ -358,7 +361,7 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
 
     positive = {
         "parallel": ("tp", "pp", "ep", "etp"), "cluster": ("nnodes", "n_gpus_per_node"),
-        "rollout": ("n", "max_response_len", "tp_size", "ep_size"),
+        "rollout": ("n", "max_response_len", "tp_size", "ep_size", "val_n"),
         "actor": ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size", "ppo_max_token_len_per_gpu"),
         "critic": ("ppo_epochs", "micro_batch_size"),
         "data": ("max_prompt_length", "train_batch_size", "task_train_size", "task_val_size"),
@@ -379,6 +382,8 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     need(a.tis_imp_ratio_cap is None or a.tis_imp_ratio_cap > 0,
          f"actor.tis_imp_ratio_cap must be > 0 or null, got {a.tis_imp_ratio_cap}")
     need(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    need(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
+    need(a.lr_warmup_steps >= 0, f"actor.lr_warmup_steps must be >= 0, got {a.lr_warmup_steps}")
     need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     need(0 < r.mem_fraction_static < 1, f"rollout.mem_fraction_static must be in (0, 1), got "
                                         f"{r.mem_fraction_static}")
