@@ -1,0 +1,231 @@
+"""`python -m mcore_rl.train --config configs/NAME.yaml [dotted.key=value ...]`: the RL loop.
+
+Per step: rollout -> rewards -> advantages -> old log-probs -> policy update -> checkpoint.
+Megatron actors are Ray actors, one per GPU (one gloo process per "GPU" on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import time
+
+import torch
+
+from mcore_rl import config as C
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def prepare_model(cfg: C.Config, run_dir: str) -> str:
+    """An HF directory for the policy: the given one, or the embedded tiny config, initialised once."""
+    if cfg.model.hf_path:
+        return cfg.model.hf_path
+    hf_dir = os.path.join(run_dir, "init_hf")
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        import transformers
+
+        torch.manual_seed(cfg.trainer.seed)
+        hcfg = transformers.AutoConfig.for_model(**cfg.model.hf_config)
+        model = transformers.AutoModelForCausalLM.from_config(hcfg)
+        model.save_pretrained(hf_dir + ".tmp")
+        os.replace(hf_dir + ".tmp", hf_dir)
+    return hf_dir
+
+
+def latest_checkpoint(ckpt_root: str) -> tuple[int, str] | None:
+    """The newest complete checkpoint: `step_N` directories are renamed into place only when whole."""
+    steps = [(int(m.group(1)), os.path.join(ckpt_root, d)) for d in os.listdir(ckpt_root)
+             if (m := STEP_DIR.match(d)) and os.path.exists(os.path.join(ckpt_root, d, "trainer_state.json"))] \
+        if os.path.isdir(ckpt_root) else []
+    return max(steps) if steps else None
+
+
+class ActorGroup:
+    """N Megatron actors on a Ray placement group; calls fan out and the results are gathered."""
+
+    def __init__(self, cfg: C.Config, hf_dir: str):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from mcore_rl.actor import MegatronActor
+        from mcore_rl.parallel import free_port
+
+        n = C.actor_gpus(cfg)
+        cpu = cfg.cluster.device == "cpu"
+        bundle = {"CPU": 1} if cpu else {"GPU": 1, "CPU": 1}
+        self.pg = placement_group([bundle] * n, strategy="PACK")
+        ray.get(self.pg.ready())
+        remote = ray.remote(num_cpus=1 if cpu else 1, num_gpus=0 if cpu else 1)(MegatronActor)
+        port, d = free_port(), C.to_dict(cfg)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.actors = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=i)).remote(i, n, port, hf_dir, d)
+            for i in range(n)]
+        self.ray = ray
+
+    def call(self, method: str, *args):
+        """Run `method` on every rank; return the non-None results in rank order."""
+        out = self.ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        return [o for o in out if o is not None]
+
+
+def _pad_left(seqs: list[list[int]], pad: int) -> torch.Tensor:
+    width = max(map(len, seqs))
+    return torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs])
+
+
+def _response_mask(resp: torch.Tensor, eos: int | None) -> torch.Tensor:
+    """1 up to and including the first EOS."""
+    if eos is None:
+        return torch.ones_like(resp, dtype=torch.float32)
+    after = (resp == eos).int().cumsum(1) - (resp == eos).int()
+    return (after == 0).float()
+
+
+def rl_step(cfg: C.Config, group: ActorGroup, task, prompt_idx: list[int], step: int) -> dict:
+    from mcore_rl.algos.advantages import compute_advantage
+
+    t0, times = time.perf_counter(), {}
+    n, tok = cfg.rollout.n, task.tokenizer
+    idx = [i for i in prompt_idx for _ in range(n)]
+    prompts = _pad_left([task.prompts[i] for i in idx], tok.pad_token_id)
+    seqs = torch.cat(group.call("generate", prompts, cfg.rollout.max_response_len,
+                                cfg.rollout.temperature, cfg.trainer.seed * 100003 + step))
+    times["timing/rollout"] = time.perf_counter() - t0
+    P = prompts.shape[1]
+    resp = seqs[:, P:]
+    mask = _response_mask(resp, getattr(tok, "eos_token_id", None))
+    scores = torch.tensor(task.rewards(idx, resp.tolist()))
+    rewards = torch.zeros_like(mask)
+    last = (mask.sum(1) - 1).clamp(min=0).long()
+    rewards[torch.arange(len(idx)), last] = scores  # outcome reward on the last response token
+    adv, _ = compute_advantage(cfg.algorithm.adv_estimator, rewards, mask,
+                               index=torch.tensor(idx), gamma=cfg.algorithm.gamma,
+                               norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo)
+    t1 = time.perf_counter()
+    old = torch.cat(group.call("log_probs", seqs))[:, P - 1:]
+    times["timing/old_log_prob"] = time.perf_counter() - t1
+    # the loss covers response tokens only: positions P-1.. of the shifted log-probs
+    full_mask = torch.zeros(len(idx), seqs.shape[1] - 1)
+    full_mask[:, P - 1:] = mask
+    pad = lambda x: torch.cat([torch.zeros(len(idx), P - 1), x], 1)  # noqa: E731
+    t2 = time.perf_counter()
+    stats = group.call("update", dict(tokens=seqs, loss_mask=full_mask, advantages=pad(adv),
+                                      old_log_probs=pad(old)))
+    times["timing/update"] = time.perf_counter() - t2
+    times["timing/step"] = time.perf_counter() - t0
+    metrics = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+    metrics.update({"reward/mean": scores.mean().item(), "response/length": mask.sum(1).mean().item(),
+                    "perf/tokens_per_s": mask.sum().item() / times["timing/step"], **times})
+    return metrics
+
+
+def validate(cfg, group, task) -> dict:
+    n = len(task.prompts)
+    prompts = _pad_left(task.prompts, task.tokenizer.pad_token_id)
+    seqs = torch.cat(group.call("generate", prompts, cfg.rollout.max_response_len, 1e-4, 0))
+    return {"val/reward": sum(task.rewards(range(n), seqs[:, prompts.shape[1]:].tolist())) / n}
+
+
+def train(cfg: C.Config) -> dict:
+    import ray
+
+    from mcore_rl.data.tasks import make_task
+    from mcore_rl.metrics import MetricsLogger
+
+    t = cfg.trainer
+    run_dir = os.path.abspath(t.output_dir)
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    os.makedirs(run_dir, exist_ok=True)
+    hf_dir = prepare_model(cfg, run_dir)
+    train_task = make_task(cfg.data.task, cfg.data.task_train_size, seed=t.seed)
+    val_task = make_task(cfg.data.task, cfg.data.task_val_size, seed=t.seed + 1)
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(2, C.actor_gpus(cfg)), include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=True)
+    group = ActorGroup(cfg, hf_dir)
+    start, resumed = 0, latest_checkpoint(ckpt_root) if t.resume == "auto" else None
+    if resumed:
+        start = resumed[0]
+        group.call("load", resumed[1])
+        _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
+        print(f"resumed from {resumed[1]} (step {start})", flush=True)
+    logger = MetricsLogger(run_dir, t.logger, project=t.project, experiment=t.experiment,
+                           config=C.to_dict(cfg))
+    B = cfg.data.train_batch_size
+    per_epoch = len(train_task.prompts) // B
+    total = t.total_training_steps or t.total_epochs * per_epoch
+    if t.val_before_train and start == 0:
+        logger.log(validate(cfg, group, val_task), step=0)
+    metrics = {}
+    for step in range(start + 1, total + 1):
+        order = torch.randperm(len(train_task.prompts),
+                               generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
+        k = (step - 1) % per_epoch
+        metrics = rl_step(cfg, group, train_task, order[k * B:(k + 1) * B].tolist(), step)
+        if t.test_freq > 0 and step % t.test_freq == 0 or step == total:
+            metrics.update(validate(cfg, group, val_task))
+        logger.log(metrics, step=step)
+        if t.save_freq > 0 and step % t.save_freq == 0 or step == total:
+            save_checkpoint(group, ckpt_root, step, hf_dir)
+    logger.close()
+    from mcore_rl.plot import plot_run
+
+    plot_run(run_dir)
+    return metrics
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Drop records of steps after the checkpoint: they are redone, and must not appear twice."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+def save_checkpoint(group: ActorGroup, ckpt_root: str, step: int, hf_dir: str) -> str:
+    """Write into step_N.tmp and rename when every rank is done: a crash leaves no step_N."""
+    final = os.path.join(ckpt_root, f"step_{step}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    group.call("save", tmp)
+    shutil.copytree(hf_dir, os.path.join(tmp, "model", "hf"),
+                    ignore=shutil.ignore_patterns("*.safetensors", "*.json.tmp"))
+    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        json.dump({"step": step}, f)
+    os.replace(tmp, final)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mcore_rl.train", description=__doc__)
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    a = p.parse_args(argv)
+    try:
+        cfg = C.load_config(a.config, a.overrides)
+    except C.ConfigError as e:
+        print(f"config error: {e}")
+        return 2
+    if cfg.rollout.engine != "embedded":
+        print("config error: rollout.engine=sglang needs the SGLang engine (GPU); "
+              "use rollout.engine=embedded here")
+        return 2
+    t0 = time.perf_counter()
+    m = train(cfg)
+    print(f"done in {time.perf_counter() - t0:.0f}s: " + json.dumps({k: round(v, 4) for k, v in m.items()
+                                                                    if k.startswith(("reward", "val"))}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
