@@ -24,7 +24,7 @@ Series = dict[str, tuple[list[int], list[float]]]
 # panel -> (title, y label, which metric keys it shows)
 PANELS: dict[str, tuple[str, str, Callable[[str], bool]]] = {
     "reward": ("Reward", "score", lambda k: ("score" in k or "reward" in k) and "kl" not in k
-               and k.endswith("/mean")),
+               and not k.endswith(("/max", "/min", "/std"))),
     "kl": ("KL", "kl", lambda k: "kl" in k and "clipfrac" not in k),
     "entropy": ("Entropy", "nats", lambda k: "entropy" in k),
     "timing": ("Time per phase", "seconds", lambda k: k.startswith("timing_s/")),

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from mcore_rl.metrics import MetricsLogger, is_secret_key, redact, rollout_metrics, timed
-from mcore_rl.plot import load_metrics, plot_run
+from mcore_rl.plot import PANELS, load_metrics, plot_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANTED = {"WANDB_API_KEY": "planted-wandb-key-1234", "HF_TOKEN": "hf_plantedtoken5678",
@@ -126,6 +126,14 @@ def test_load_metrics_last_record_of_a_step_wins_and_partial_lines_skipped(tmp_p
     assert series["critic/score/mean"] == ([0, 1, 2], [0.0, 42.0, pytest.approx(1 - math.exp(-2 / 8))])
     assert series["actor/entropy"][0] == [0, 2]  # step 1 was replaced wholesale
     assert "x" not in series
+
+
+def test_panels_pick_their_metrics():
+    shows = {name: wants for name, (_, _, wants) in PANELS.items()}
+    assert shows["reward"]("critic/score/mean") and shows["reward"]("val/reward")
+    assert not shows["reward"]("critic/score/max") and not shows["reward"]("actor/reward_kl_penalty")
+    assert shows["kl"]("actor/reward_kl_penalty") and not shows["kl"]("actor/pg_clipfrac")
+    assert shows["timing"]("timing_s/gen") and shows["loss"]("actor/pg_loss")
 
 
 def test_plot_cli_writes_pngs(tmp_path):
