@@ -19,10 +19,10 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Mapping
 
 OK, WARN, ERROR = "ok", "warn", "error"
 GiB = 1 << 30
@@ -339,7 +339,8 @@ def check_ray(ctx: Context) -> list[Finding]:
     except (OSError, ValueError) as e:
         return [Finding("ray", ERROR, f"cannot reach GCS {addr}: {e}", "start the head (scripts/ray_head.sh) or "
                         "fix RAY_ADDRESS / the firewall")]
-    code = "import sys; from ray.scripts.scripts import main; sys.argv = ['ray', 'status', '--address', sys.argv[1]]; main()"
+    code = ("import sys; from ray.scripts.scripts import main; "
+            "sys.argv = ['ray', 'status', '--address', sys.argv[1]]; main()")
     try:
         r = subprocess.run([sys.executable, "-c", code, addr], env=dict(ctx.env), capture_output=True, text=True,
                            timeout=90)

@@ -57,7 +57,7 @@ def pinned_version(req: Requirement) -> str:
 
 def base_python(path: Path) -> str:
     text = path.read_text()
-    m = re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.M) or re.search(r"^FROM (\S+)", text, re.M)
+    m = re.search(r"^ARG BASE_IMAGE=(\S+)", text, re.MULTILINE) or re.search(r"^FROM (\S+)", text, re.MULTILINE)
     image = m.group(1)
     if m := re.match(r"python:(\d+\.\d+)", image):
         return m.group(1)
@@ -105,7 +105,7 @@ def test_exact_pins_are_identical_everywhere():
     exact = {canonicalize_name(r.name): next(iter(r.specifier)).version
              for r in map(Requirement, deps) if len(r.specifier) == 1 and next(iter(r.specifier)).operator == "=="}
     assert exact.get("megatron-core") == "0.16.1"
-    for kind, path in DOCKERFILES.items():
+    for path in DOCKERFILES.values():
         have = pins(path)
         for name, version in exact.items():
             if name in have:
