@@ -146,8 +146,11 @@ def train(cfg: C.Config) -> dict:
     train_task = make_task(cfg.data.task, cfg.data.task_train_size, seed=t.seed)
     val_task = make_task(cfg.data.task, cfg.data.task_val_size, seed=t.seed + 1)
     if not ray.is_initialized():
-        ray.init(num_cpus=max(2, C.actor_gpus(cfg)), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=True)
+        if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
+            ray.init(log_to_driver=True)
+        else:  # a local run: a private Ray on loopback
+            ray.init(num_cpus=max(2, C.actor_gpus(cfg)), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", log_to_driver=True)
     group = ActorGroup(cfg, hf_dir)
     start, resumed = 0, latest_checkpoint(ckpt_root) if t.resume == "auto" else None
     if resumed:
