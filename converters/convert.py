@@ -23,8 +23,9 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _bar(total: int, desc: str):
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+def _bar(total: int, desc: str, unit: str = "B"):
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True,
+                unit_divisor=1024 if unit == "B" else 1000,
                 disable=os.environ.get("MCORE_RL_NO_PROGRESS") == "1")
 
 
@@ -83,9 +84,7 @@ def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: st
     cast = DTYPES[dtype] if dtype else None
     total = sum(reader.metadata.state_dict_metadata[k].size.numel() for e in reader.entries.values()
                 for k in e.keys)
-    with atomic_dir(out) as tmp, tqdm(total=total, desc="mcore -> hf", unit=" params",
-                                      unit_scale=True,
-                                      disable=os.environ.get("MCORE_RL_NO_PROGRESS") == "1") as bar:
+    with atomic_dir(out) as tmp, _bar(total, "mcore -> hf", unit=" params") as bar:
         writer = ShardedWriter(tmp, max_shard_bytes)
         for param, t in reader.params():
             bar.update(t.numel())

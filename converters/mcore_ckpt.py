@@ -138,6 +138,8 @@ class TorchDistReader:
         self.ckpt, self.hf = ckpt, hf
         self.reader = FileSystemReader(ckpt)
         self.metadata = self.reader.read_metadata()
+        # DCP's load() re-reads .metadata on every call; parse it once
+        self.reader.read_metadata = lambda *a, **kw: self.metadata
         _, self.entries = skeleton(hf)
         stored = self.metadata.state_dict_metadata
         for e in self.entries.values():
@@ -153,9 +155,7 @@ class TorchDistReader:
 
         stored = self.metadata.state_dict_metadata
         out = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in keys}
-        reader = self.reader
-        reader.read_metadata = lambda *a, **kw: self.metadata  # parse .metadata once, not per call
-        dcp_load(out, storage_reader=reader)
+        dcp_load(out, storage_reader=self.reader)
         return out
 
     def params(self, max_bytes: int = 2**30) -> Iterator[tuple[Param, torch.Tensor]]:

@@ -82,7 +82,8 @@ class MegatronActor:
     @torch.no_grad()
     def log_probs(self, tokens: torch.Tensor):
         self.model.eval()
-        logp, _ = _seq_logprobs(self._logits(tokens[self._dp_slice(len(tokens))]), tokens[self._dp_slice(len(tokens))])
+        tokens = tokens[self._dp_slice(len(tokens))]
+        logp, _ = _seq_logprobs(self._logits(tokens), tokens)
         return logp if self._is_reporter() else None
 
     # ---- update ----------------------------------------------------------------------------------

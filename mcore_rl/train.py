@@ -59,7 +59,7 @@ class ActorGroup:
         bundle = {"CPU": 1} if cpu else {"GPU": 1, "CPU": 1}
         self.pg = placement_group([bundle] * n, strategy="PACK")
         ray.get(self.pg.ready())
-        remote = ray.remote(num_cpus=1 if cpu else 1, num_gpus=0 if cpu else 1)(MegatronActor)
+        remote = ray.remote(num_cpus=1, num_gpus=0 if cpu else 1)(MegatronActor)
         port, d = free_port(), C.to_dict(cfg)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -85,17 +85,7 @@ cmd=("$RAY_BIN" start --head
     --dashboard-host="$dash_host"
     --dashboard-port="$dash_port"
     --disable-usage-stats)
-[[ -n "$num_cpus" ]] && cmd+=(--num-cpus="$num_cpus")
-[[ -n "$num_gpus" ]] && cmd+=(--num-gpus="$num_gpus")
-[[ -n "$temp_dir" ]] && cmd+=(--temp-dir="$temp_dir")
-[[ "$block" == 1 ]] && cmd+=(--block)
-cmd+=("${extra[@]}")
-
-if [[ "$dry_run" == 1 ]]; then
-    printf '%q ' "${cmd[@]}"
-    echo
-    exit 0
-fi
+finish_ray_start_cmd
 
 log "head: GCS ${node_ip}:${port}, dashboard/job server http://${dash_host}:${dash_port}, token ${RAY_AUTH_TOKEN_PATH:-from RAY_AUTH_TOKEN}"
 log "workers: scripts/ray_worker.sh --head-address ${node_ip}:${port} --node-ip-address <their IP> --token-file <copy of the token>"

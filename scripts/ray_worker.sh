@@ -71,17 +71,7 @@ cmd=("$RAY_BIN" start
     --address="$head_addr"
     --node-ip-address="$node_ip"
     --disable-usage-stats)
-[[ -n "$num_cpus" ]] && cmd+=(--num-cpus="$num_cpus")
-[[ -n "$num_gpus" ]] && cmd+=(--num-gpus="$num_gpus")
-[[ -n "$temp_dir" ]] && cmd+=(--temp-dir="$temp_dir")
-[[ "$block" == 1 ]] && cmd+=(--block)
-cmd+=("${extra[@]}")
-
-if [[ "$dry_run" == 1 ]]; then
-    printf '%q ' "${cmd[@]}"
-    echo
-    exit 0
-fi
+finish_ray_start_cmd
 
 if [[ "$wait_s" -gt 0 ]]; then
     deadline=$((SECONDS + wait_s))

@@ -49,3 +49,19 @@ check_bind_address() {
         "" | 0.0.0.0 | "::" | "[::]") die "$2 must be a concrete address, got '${1}'" ;;
     esac
 }
+
+# Options `ray start` takes the same way on head and workers; the caller's array `cmd` grows.
+# On --dry-run, print the command and exit.
+# shellcheck disable=SC2154  # the option variables belong to the calling script
+finish_ray_start_cmd() {
+    [[ -n "$num_cpus" ]] && cmd+=(--num-cpus="$num_cpus")
+    [[ -n "$num_gpus" ]] && cmd+=(--num-gpus="$num_gpus")
+    [[ -n "$temp_dir" ]] && cmd+=(--temp-dir="$temp_dir")
+    [[ "$block" == 1 ]] && cmd+=(--block)
+    cmd+=("${extra[@]}")
+    if [[ "$dry_run" == 1 ]]; then
+        printf '%q ' "${cmd[@]}"
+        echo
+        exit 0
+    fi
+}
