@@ -42,6 +42,9 @@ class MegatronActor:
         tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"],
                                   dtype=dtype)
         self.model = build_model(self.hf, tcfg)
+        # batches arrive and results leave on the host; the model's device does the work
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
         a = cfg["actor"]
         self.cfg = cfg
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=a["lr"], weight_decay=a["weight_decay"],
@@ -68,8 +71,8 @@ class MegatronActor:
     def generate(self, prompts: torch.Tensor, max_new: int, temperature: float, seed: int):
         """Sample `max_new` tokens for this rank's slice of left-padded `prompts` [B, P]."""
         self.model.eval()
-        tokens = prompts[self._dp_slice(len(prompts))]
-        gen = torch.Generator().manual_seed(seed + self.ps.get_data_parallel_rank())
+        tokens = prompts[self._dp_slice(len(prompts))].to(self.device)
+        gen = torch.Generator(self.device).manual_seed(seed + self.ps.get_data_parallel_rank())
         for _ in range(max_new):
             logits = self._logits(tokens)[:, -1].float() / temperature
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
@@ -77,14 +80,14 @@ class MegatronActor:
             dist.broadcast(nxt, self.ps.get_tensor_model_parallel_src_rank(),
                            group=self.ps.get_tensor_model_parallel_group())
             tokens = torch.cat([tokens, nxt], dim=1)
-        return tokens if self._is_reporter() else None
+        return tokens.cpu() if self._is_reporter() else None
 
     @torch.no_grad()
     def log_probs(self, tokens: torch.Tensor):
         self.model.eval()
-        tokens = tokens[self._dp_slice(len(tokens))]
+        tokens = tokens[self._dp_slice(len(tokens))].to(self.device)
         logp, _ = _seq_logprobs(self._logits(tokens), tokens)
-        return logp if self._is_reporter() else None
+        return logp.cpu() if self._is_reporter() else None
 
     # ---- update ----------------------------------------------------------------------------------
     def update(self, batch: dict) -> dict | None:
@@ -93,8 +96,9 @@ class MegatronActor:
         a = self.cfg["actor"]
         self.model.train()
         sl = self._dp_slice(len(batch["tokens"]))
-        tokens, mask = batch["tokens"][sl], batch["loss_mask"][sl]
-        adv, old = batch["advantages"][sl], batch["old_log_probs"][sl]
+        batch = {k: v[sl].to(self.device) for k, v in batch.items()}
+        tokens, mask = batch["tokens"], batch["loss_mask"]
+        adv, old = batch["advantages"], batch["old_log_probs"]
         logp, entropy = _seq_logprobs(self._logits(tokens), tokens)
         pg_loss, pg = policy_loss(old, logp, adv, mask, clip_ratio_low=a["clip_ratio_low"],
                                   clip_ratio_high=a["clip_ratio_high"], clip_ratio_c=a["clip_ratio_c"],

@@ -1,0 +1,164 @@
+"""RL steps on Megatron actors, timed per phase: embedded rollout, old log-probs, update.
+
+One process per GPU (NCCL), each holding a `MegatronActor` exactly as the trainer builds it, on a
+model with real widths from a config (random weights, `--layers` to shorten it). Prints a table
+and writes JSON. Training TFLOP/s count 6 x active parameters per token plus causal attention.
+
+    python benchmarks/rl_step_bench.py --gpus 8 --ep 8 --layers 27 --out rl.json     # GPU
+    python benchmarks/rl_step_bench.py --cpu --tiny --gpus 2 --ep 2 --out rl.json    # CPU, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MATMUL_PEAK = 790e12  # bf16 dense matmul measured on the lent H100/H200 (KINDS.md)
+
+
+def model_dims(args) -> dict:
+    path = os.path.join(ROOT, "configs", "tiny_cpu.yaml") if args.tiny else args.config
+    with open(path) as f:
+        hf = dict(yaml.safe_load(f)["model"]["hf_config"])
+    if args.layers:
+        hf["num_hidden_layers"] = args.layers
+    return hf
+
+
+def active_flops_per_token(actor, seq: int) -> float:
+    """6 x (dense params + routed-expert params x topk/E) + causal attention, fwd+bwd, per token."""
+    import torch.distributed as dist
+
+    ps, hf = actor.ps, actor.hf
+    local = {True: 0, False: 0}
+    for name, p in actor.model.named_parameters():
+        if "embedding" not in name:
+            local["local_experts" in name] += p.numel()
+    dense = torch.tensor(float(local[False]))
+    experts = torch.tensor(float(local[True]))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dense, experts = dense.to(dev), experts.to(dev)
+    dist.all_reduce(dense, group=ps.get_model_parallel_group())
+    dist.all_reduce(experts, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    active = dense.item()
+    if hf.num_experts:
+        active += experts.item() * hf.get("num_experts_per_tok") / hf.num_experts
+    qk = hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0) if hf.is_mla else hf.head_dim
+    v = hf.get("v_head_dim") if hf.is_mla else hf.head_dim
+    attn = 6 * hf.num_layers * hf.num_attention_heads * (qk + v) * seq * 0.5  # causal
+    return 6 * active + attn
+
+
+def worker(rank: int, args, hf_dir: str, cfg: dict, port: int, results):
+    os.environ["LOCAL_RANK"] = str(rank)
+    from mcore_rl.actor import MegatronActor
+
+    actor = MegatronActor(rank, args.gpus, port, hf_dir, cfg)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    vocab = actor.hf.vocab_size
+    B, P, R = args.batch * actor.ps.get_data_parallel_world_size(), args.prompt, args.response
+    gen = torch.Generator().manual_seed(0)
+    flops_tok = active_flops_per_token(actor, P + R)
+    times = {k: [] for k in ("rollout", "old_log_prob", "update", "step")}
+    for step in range(args.steps + 1):  # step 0 warms up
+        prompts = torch.randint(0, vocab, (B, P), generator=gen)
+        t0 = time.perf_counter()
+        seqs = actor.generate(prompts, R, 1.0, step)
+        sync()
+        t1 = time.perf_counter()
+        seqs = _share(seqs, actor)
+        actor.log_probs(seqs)
+        sync()
+        t2 = time.perf_counter()
+        mask = torch.zeros(B, P + R - 1)
+        mask[:, P - 1:] = 1
+        batch = dict(tokens=seqs, loss_mask=mask, advantages=torch.randn(B, 1).expand(B, P + R - 1).contiguous(),
+                     old_log_probs=torch.zeros(B, P + R - 1))
+        actor.update(batch)
+        sync()
+        t3 = time.perf_counter()
+        if step:
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
+                times[k].append(v)
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        tokens = B * (P + R)
+        results.put(dict(
+            gpus=args.gpus, tp=args.tp, ep=args.ep, pp=1, layers=actor.hf.num_layers, batch_seqs=B,
+            seq_len=P + R, response_len=R, median_s=med,
+            update_tokens_per_s=tokens / med["update"],
+            update_tflops_per_gpu=flops_tok * tokens / med["update"] / args.gpus / 1e12,
+            logprob_tflops_per_gpu=flops_tok / 3 * tokens / med["old_log_prob"] / args.gpus / 1e12,
+            rollout_tokens_per_s=B * R / med["rollout"],
+            peak_mem_gib=(torch.cuda.max_memory_allocated() / 2**30) if torch.cuda.is_available() else None,
+            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"))
+
+
+def _share(seqs, actor):
+    """Rollout results live on the reporting ranks; every rank needs the whole batch."""
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, seqs)
+    return torch.cat([p for p in parts if p is not None])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "moonlight_16b.yaml"),
+                   help="a config holding model.hf_config (the model's real widths)")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0: as configured)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--response", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default="rl_step_bench.json")
+    args = p.parse_args(argv)
+    if not args.cpu and torch.cuda.device_count() < args.gpus:
+        p.error(f"--gpus {args.gpus} but {torch.cuda.device_count()} visible")
+    sys.path.insert(0, ROOT)
+    from mcore_rl import config as C
+    from mcore_rl.parallel import free_port
+
+    cfg = C.to_dict(C.Config())
+    cfg["parallel"].update(tp=args.tp, ep=args.ep, pp=1, etp=1)
+    cfg["model"]["dtype"] = "fp32" if args.cpu else "bf16"
+    with tempfile.TemporaryDirectory() as hf_dir:
+        with open(os.path.join(hf_dir, "config.json"), "w") as f:
+            json.dump(model_dims(args), f)
+        ctx = torch.multiprocessing.get_context("spawn")
+        results = ctx.SimpleQueue()
+        torch.multiprocessing.start_processes(worker, args=(args, hf_dir, cfg, free_port(), results),
+                                              nprocs=args.gpus, start_method="spawn")
+        res = results.get()
+    res["command"] = "python benchmarks/rl_step_bench.py " + " ".join(argv or sys.argv[1:])
+    if res["device"] != "cpu":
+        res["update_pct_of_matmul_peak"] = 100 * res["update_tflops_per_gpu"] * 1e12 / MATMUL_PEAK
+    print(f"{'phase':<14}{'median s':>10}")
+    for k, v in res["median_s"].items():
+        print(f"{k:<14}{v:>10.3f}")
+    for k in ("update_tokens_per_s", "update_tflops_per_gpu", "update_pct_of_matmul_peak",
+              "logprob_tflops_per_gpu", "rollout_tokens_per_s", "peak_mem_gib"):
+        if res.get(k) is not None:
+            print(f"{k:<28}{res[k]:>12.2f}")
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
