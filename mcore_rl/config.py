@@ -78,6 +78,24 @@ class RolloutConfig:
     enable_memory_saver: bool = True
     val_temperature: float = 0.0  # validation sampling; 0 = greedy
     val_n: int = 1
+    cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph
+    chunked_prefill_size: int = 8192  # prefill tokens per forward
+
+
+@dataclass
+class MemoryConfig:
+    """Colocated memory planning (mcore_rl.memory.planner; `python -m mcore_rl.plan`)."""
+
+    gpu_memory_gb: float | None = None  # plan for this much per GPU; null: NVML's free memory
+    reserved_gb: float = 4.0  # per GPU outside both models: CUDA contexts, NCCL, fragmentation
+    offload_train_states: bool = True  # Megatron params/grads/optimizer to CPU while the engine runs
+    distributed_optimizer: bool = True  # optimizer states sharded over data parallel ranks
+    grad_fp32: bool = False  # gradients kept in fp32
+    recompute_activations: bool = False
+    saver_hook_mode: Literal["preload", "torch"] = "preload"  # torch: CUDA graphs cannot be released
+    auto_mem_fraction: bool = True  # pick rollout.mem_fraction_static; false: check the configured one
+    sync_bucket_mb: int = 512  # weight-sync bucket (two are resident, outside saver regions)
+    cuda_graph_gb: float | None = None  # null: estimate from rollout.cuda_graph_max_bs
 
 
 @dataclass
@@ -175,6 +193,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 # ----------------------------------------------------------------------------- building
@@ -361,7 +380,9 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
 
     positive = {
         "parallel": ("tp", "pp", "ep", "etp"), "cluster": ("nnodes", "n_gpus_per_node"),
-        "rollout": ("n", "max_response_len", "tp_size", "ep_size", "val_n"),
+        "rollout": ("n", "max_response_len", "tp_size", "ep_size", "val_n", "cuda_graph_max_bs",
+                    "chunked_prefill_size"),
+        "memory": ("sync_bucket_mb",),
         "actor": ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size", "ppo_max_token_len_per_gpu"),
         "critic": ("ppo_epochs", "micro_batch_size"),
         "data": ("max_prompt_length", "train_batch_size", "task_train_size", "task_val_size"),
@@ -385,6 +406,10 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     need(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
     need(a.lr_warmup_steps >= 0, f"actor.lr_warmup_steps must be >= 0, got {a.lr_warmup_steps}")
     need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    mem = cfg.memory
+    need(mem.gpu_memory_gb is None or mem.gpu_memory_gb > 0,
+         f"memory.gpu_memory_gb must be > 0 or null, got {mem.gpu_memory_gb}")
+    need(mem.reserved_gb >= 0, f"memory.reserved_gb must be >= 0, got {mem.reserved_gb}")
     need(0 < r.mem_fraction_static < 1, f"rollout.mem_fraction_static must be in (0, 1), got "
                                         f"{r.mem_fraction_static}")
     for name in ("gamma", "lam"):
@@ -432,10 +457,26 @@ def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) ->
         errors.append("rollout.engine 'sglang' needs cluster.device 'gpu' (use 'embedded' on CPU)")
 
 
+def _check_embedded_shapes(m: ModelConfig, errors: list[str]) -> None:
+    """Both set: hf_config describes the checkpoint at hf_path (planning without the weights at
+    hand); where that checkpoint's config.json is readable, the two must agree."""
+    path = os.path.join(m.hf_path, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        on_disk = json.load(f)
+    differ = [f"{k} ({m.hf_config[k]!r} vs {on_disk[k]!r})" for k in sorted(m.hf_config)
+              if k in on_disk and not isinstance(on_disk[k], dict) and on_disk[k] != m.hf_config[k]]
+    if differ:
+        errors.append(f"model.hf_config disagrees with {path} on " + ", ".join(differ))
+
+
 def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
-    if (m.hf_path is None) == (m.hf_config is None):
-        errors.append("model: set exactly one of model.hf_path and model.hf_config")
+    if m.hf_path is None and m.hf_config is None:
+        errors.append("model: set model.hf_path (a checkpoint) or model.hf_config (a random model), or both")
+    elif m.hf_path is not None and m.hf_config is not None:
+        _check_embedded_shapes(m, errors)
     if hf is None:
         return
     missing = [k for k in ("num_attention_heads", "num_hidden_layers") if k not in hf]

@@ -102,7 +102,8 @@ def test_model_dimension_checks_from_dict_callable_or_hf_path(tmp_path):
     msg = errors_of(gpu_overrides(8, **{"parallel.tp": 4, "model.hf_config": "null",
                                         "model.hf_path": str(tmp_path)}))
     assert "num_key_value_heads = 2" in msg and "num_attention_heads" not in msg
-    assert "exactly one of model.hf_path and model.hf_config" in errors_of([f"model.hf_path={tmp_path}"])
+    assert "model.hf_config disagrees with" in errors_of([f"model.hf_path={tmp_path}"])
+    assert "set model.hf_path" in errors_of(["model.hf_config=null"])
 
 
 def test_algorithm_and_batch_checks():
