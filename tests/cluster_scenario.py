@@ -7,7 +7,8 @@ Used by tests/test_cluster_ray.py; also runnable by hand:
 
 Steps: scripts/ray_head.sh (--block) -> scripts/ray_worker.sh (--block, second raylet with its
 own temp dir and ports) -> scripts/jobs.sh wait-nodes 2 -> scripts/submit.sh (runtime_env with
-working_dir, excludes, passed-through env) -> scripts/jobs.sh wait / status / logs -> stop both
+working_dir, excludes, passed-through env): a probe job, then the tiny training ->
+scripts/jobs.sh wait / status / logs for each -> stop both
 `ray start --block` processes and every process they started, by pid.
 
 With --netns the caller has put us in a fresh network namespace (only `lo`): every Ray port is
@@ -35,11 +36,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
-DEFAULT_ENTRYPOINT = [
-    "python", "tests/cluster_probe.py", "--expect-nodes", "2",
-    "--print-env", "NCCL_SOCKET_IFNAME", "MCORE_RL_PROBE",
+# (name, scripts/submit.sh arguments, strings the job's log must contain), submitted in order
+JOBS = [
+    ("probe", ["--", "python", "tests/cluster_probe.py", "--expect-nodes", "2",
+               "--print-env", "NCCL_SOCKET_IFNAME", "MCORE_RL_PROBE"],
+     ["PROBE-OK nodes=2", "NCCL_SOCKET_IFNAME=lo", "MCORE_RL_PROBE=hello"]),
+    # the README's tiny training through submit.sh's default entrypoint, one actor rank per node
+    ("train", ["--config", "configs/tiny_cpu.yaml", "trainer.total_training_steps=2",
+               "trainer.output_dir=outputs/cluster_test", "data.task_val_size=8"],
+     ["2 actor ranks on 2 node(s)", "done in"]),
 ]
-DEFAULT_EXPECT = ["PROBE-OK nodes=2", "NCCL_SOCKET_IFNAME=lo", "MCORE_RL_PROBE=hello"]
 
 
 class ScenarioError(RuntimeError):
@@ -154,14 +160,7 @@ def run(cmd: list[str], env: dict, timeout: float, check: bool = True) -> subpro
     return r
 
 
-def run_scenario(
-    netns: bool,
-    entrypoint: list[str] | None = None,
-    expect: list[str] | None = None,
-    job_timeout: float = 180.0,
-) -> dict:
-    entrypoint = entrypoint or DEFAULT_ENTRYPOINT
-    expect = DEFAULT_EXPECT if expect is None else expect
+def run_scenario(netns: bool, jobs=JOBS, job_timeout: float = 240.0) -> dict:
     if netns:
         bring_up_loopback()
         head_ip = worker_ip = "127.0.0.1"
@@ -210,23 +209,23 @@ def run_scenario(
         _wait_for_line(procs[1], worker_log, "Ray runtime started", 90)
         result["worker_started_s"] = round(time.monotonic() - t0, 1)
 
-        jobs = ["bash", str(SCRIPTS / "jobs.sh"), "--address", dash_url, "--token-file", str(token)]
-        run(jobs + ["wait-nodes", "2", "--timeout", "60"], env, 90)
-        result["nodes"] = int(run(jobs + ["nodes"], env, 60).stdout.strip())
+        jobctl = ["bash", str(SCRIPTS / "jobs.sh"), "--address", dash_url, "--token-file", str(token)]
+        run(jobctl + ["wait-nodes", "2", "--timeout", "60"], env, 90)
+        result["nodes"] = int(run(jobctl + ["nodes"], env, 60).stdout.strip())
 
-        job_id = f"mrl-test-{secrets.token_hex(4)}"
-        sub = run(["bash", str(SCRIPTS / "submit.sh"), "--address", dash_url, "--token-file", str(token),
-                   "--submission-id", job_id, "--no-wait", "--env", "MCORE_RL_PROBE=hello",
-                   "--", *entrypoint], env, 120)
-        result["job_id"] = job_id
-        result["submit_stdout"] = sub.stdout[-2000:]
-        waited = run(jobs + ["wait", job_id, "--timeout", str(int(job_timeout))], env, job_timeout + 30,
-                     check=False)
-        result["wait_rc"] = waited.returncode
-        result["status"] = run(jobs + ["status", job_id], env, 60, check=False).stdout
-        logs = run(jobs + ["logs", job_id], env, 60, check=False)
-        result["logs"] = logs.stdout
-        result["missing_in_logs"] = [e for e in expect if e not in logs.stdout]
+        result["jobs"] = {}
+        for name, submit_args, expect in jobs:
+            job_id = f"mrl-test-{name}-{secrets.token_hex(4)}"
+            sub = run(["bash", str(SCRIPTS / "submit.sh"), "--address", dash_url, "--token-file", str(token),
+                       "--submission-id", job_id, "--no-wait", "--env", "MCORE_RL_PROBE=hello",
+                       *submit_args], env, 120)
+            waited = run(jobctl + ["wait", job_id, "--timeout", str(int(job_timeout))], env, job_timeout + 30,
+                         check=False)
+            logs = run(jobctl + ["logs", job_id], env, 60, check=False).stdout
+            result["jobs"][name] = dict(
+                job_id=job_id, submit_stdout=sub.stdout[-2000:], wait_rc=waited.returncode,
+                status=run(jobctl + ["status", job_id], env, 60, check=False).stdout, logs=logs,
+                missing_in_logs=[e for e in expect if e not in logs])
 
         doctor = run([sys.executable, "-m", "mcore_rl.doctor", "--json"],
                      {**env, "RAY_ADDRESS": f"{head_ip}:{gcs}", "RAY_AUTH_MODE": "token"}, 120, check=False)
@@ -255,14 +254,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--netns", action="store_true", help="we run in a private network namespace")
     ap.add_argument("--out", required=True, help="write the result JSON here")
-    ap.add_argument("--entrypoint", help="job entrypoint (JSON list); default: the two-node probe")
-    ap.add_argument("--expect", help="strings the job log must contain (JSON list)")
     args = ap.parse_args()
-    res = run_scenario(
-        args.netns,
-        json.loads(args.entrypoint) if args.entrypoint else None,
-        json.loads(args.expect) if args.expect is not None else None,
-    )
+    res = run_scenario(args.netns)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
 
