@@ -1,0 +1,200 @@
+"""Where every weight lives: megatron's shards per rank and the SGLang engine's tensors per rank.
+
+Shapes are never written by hand. `inventory(hf)` takes megatron's own meta-device model
+(`converters.mcore_ckpt.skeleton`, TP=PP=EP=1) for the megatron shapes, and the ONE declarative
+mapping (`Param.to_hf` on meta tensors) for the HF shapes. What is added here is only how each
+tensor is split:
+
+- megatron: `linear_*`, word embeddings and the output layer are split over TP (experts over
+  expert-TP, `etp`), routed experts are spread over EP, layers over PP stages; norms and the router
+  are replicated; the router's expert bias is an fp32 buffer (no gradient, no optimizer state).
+- SGLang (DeepseekV2ForCausalLM and the Llama/Qwen models): embeddings and lm_head are vocab-split
+  over tp, q_a/kv_a projections are replicated (fused into `fused_qkv_a_proj_with_mqa` with
+  q_lora), column-parallel weights are split on dim 0 and row-parallel ones (o_proj, down_proj)
+  on dim 1, routed experts are stacked per layer into `w13_weight [E/ep, 2I/moe_tp, H]` and
+  `w2_weight [E/ep, H, I/moe_tp]` with moe_tp = tp / ep, gate/up are fused into `gate_up_proj`,
+  and after loading SGLang derives `w_kc`/`w_vc` from `kv_b_proj` (one more kv_b-sized tensor).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from mcore_rl.models.config import HFModel
+
+FP32_HF = ("e_score_correction_bias",)  # kept in fp32 by HF, megatron and SGLang alike
+REPLICATED_IN_ENGINE = ("q_a_proj", "kv_a_proj_with_mqa", "layernorm", "norm.weight", "mlp.gate.weight",
+                        "e_score_correction_bias")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One megatron parameter (unsharded) and the HF tensors it is made of."""
+
+    mcore: str
+    numel: int
+    layer: int | None
+    expert: int | None
+    split: str  # "tp", "replicated" or "buffer" (fp32, not trained)
+    hf: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _megatron_split(mcore: str) -> str:
+    module = mcore.rsplit(".", 2)[-2]
+    if mcore.endswith("expert_bias"):
+        return "buffer"
+    if module.startswith("linear_") or module in ("word_embeddings", "output_layer"):
+        return "tp"
+    return "replicated"
+
+
+@functools.lru_cache(maxsize=8)
+def _inventory(cfg_json: str) -> tuple[Weight, ...]:
+    from converters.mcore_ckpt import skeleton
+
+    hf = HFModel.from_dict(json.loads(cfg_json))
+    _, entries = skeleton(hf)
+    out = []
+    for e in entries.values():
+        parts = [torch.empty(s, device="meta") for s in e.shapes]
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # GLU halves
+        hf_shapes = tuple((name, tuple(t.shape)) for name, t in e.param.to_hf(hf, full).items())
+        out.append(Weight(e.param.mcore, full.numel(), e.param.layer, e.param.expert,
+                          _megatron_split(e.param.mcore), hf_shapes))
+    return tuple(out)
+
+
+def inventory(hf: HFModel) -> tuple[Weight, ...]:
+    """Every megatron parameter of `hf` with its HF tensors (cached per config)."""
+    return _inventory(json.dumps(hf.cfg, sort_keys=True))
+
+
+# ----------------------------------------------------------------------------- megatron side
+def stage_layers(hf: HFModel, pp: int) -> list[range]:
+    """Layers of each pipeline stage, as `models.transformer_config` splits them (remainder last)."""
+    n = hf.num_layers
+    if n % pp == 0:
+        per = [n // pp] * pp
+    else:
+        first = n // pp
+        last = n - (pp - 1) * first
+        per = [first] * (pp - 1) + [last]
+    starts = [sum(per[:i]) for i in range(pp)]
+    return [range(s, s + c) for s, c in zip(starts, per)]
+
+
+def megatron_rank_numel(weights, hf: HFModel, *, tp: int, pp: int, ep: int, etp: int,
+                        stage: int) -> dict[str, int]:
+    """Elements one rank of `stage` holds: {'dense': .., 'expert': .., 'buffer': ..}.
+
+    Dense parameters are data-parallel replicas of each other; expert parameters are replicas
+    over expert-DP. Every EP rank holds the same number of experts, so rank 0 of each is taken.
+    """
+    layers = stage_layers(hf, pp)[stage]
+    local_experts = range(hf.num_experts // ep) if hf.num_experts else range(0)
+    out = {"dense": 0, "expert": 0, "buffer": 0}
+    for w in weights:
+        if w.layer is None:
+            on_stage = (stage == 0) if "embedding" in w.mcore else (stage == pp - 1)
+        else:
+            on_stage = w.layer in layers
+        if not on_stage:
+            continue
+        if w.expert is not None:
+            if w.expert in local_experts:
+                out["expert"] += w.numel // etp
+        elif w.split == "buffer":
+            out["buffer"] += w.numel
+        else:
+            out["dense"] += w.numel // tp if w.split == "tp" else w.numel
+    return out
+
+
+# ----------------------------------------------------------------------------- SGLang side
+@dataclass
+class EngineTensor:
+    """One tensor of the SGLang model on one rank, and the HF shards it is assembled from."""
+
+    name: str
+    dtype: torch.dtype
+    pieces: list[tuple[str, int | None, int]] = field(default_factory=list)  # (hf, split dim, slot)
+    shape: tuple[int, ...] = ()
+    derived_from: str | None = None  # SGLang's w_kc/w_vc, computed from kv_b_proj after loading
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _engine_name(hf: HFModel, hf_name: str) -> tuple[str, int | None]:
+    """(engine tensor name, expert slot) for an HF tensor; fused tensors share a name."""
+    parts = hf_name.split(".")
+    if ".mlp.experts." in hf_name:
+        i = parts.index("experts")
+        prefix, expert, proj = ".".join(parts[:i + 1]), int(parts[i + 1]), parts[i + 2]
+        return f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}_weight", expert
+    fused = None
+    if parts[-2] in ("gate_proj", "up_proj"):
+        fused = "gate_up_proj"
+    elif not hf.is_mla and parts[-2] in ("q_proj", "k_proj", "v_proj"):
+        fused = "qkv_proj"
+    elif hf.q_lora and parts[-2] in ("q_a_proj", "kv_a_proj_with_mqa"):
+        fused = "fused_qkv_a_proj_with_mqa"
+    if fused is None:
+        return hf_name, None
+    return ".".join(parts[:-2] + [fused, parts[-1]]), None
+
+
+def _engine_shard(hf: HFModel, hf_name: str, shape: tuple[int, ...], tp: int, ep: int):
+    """(split dim, parts) of one HF tensor on one engine rank."""
+    if ".mlp.experts." in hf_name:
+        moe_tp = tp // ep
+        return (1 if "down_proj" in hf_name else 0), moe_tp
+    if any(k in hf_name for k in REPLICATED_IN_ENGINE):
+        return None, 1
+    if not hf.is_mla and any(k in hf_name for k in ("k_proj", "v_proj")) and hf.num_kv_heads < tp:
+        return 0, hf.num_kv_heads  # SGLang replicates KV heads when tp > kv heads: one head per rank
+    return (1 if any(k in hf_name for k in ROW_PARALLEL) else 0), tp
+
+
+def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
+                   dtype: torch.dtype = torch.bfloat16) -> dict[str, EngineTensor]:
+    """The SGLang model's tensors on engine rank `rank` (experts: the rank's contiguous block)."""
+    ep_rank = rank // (tp // ep)
+    per_ep = hf.num_experts // ep if hf.num_experts else 0
+    mine = range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
+    out: dict[str, EngineTensor] = {}
+    rows: dict[str, list[int]] = {}
+    for w in weights:
+        if w.expert is not None and w.expert not in mine:
+            continue
+        for hf_name, shape in w.hf:
+            name, expert = _engine_name(hf, hf_name)
+            dim, parts = _engine_shard(hf, hf_name, shape, tp, ep)
+            local = list(shape)
+            if dim is not None:
+                local[dim] //= parts
+            tdtype = torch.float32 if any(k in hf_name for k in FP32_HF) else dtype
+            t = out.setdefault(name, EngineTensor(name, tdtype))
+            slot = None if expert is None else expert - mine.start
+            t.pieces.append((hf_name, dim, slot if slot is not None else -1))
+            if slot is None:
+                rows.setdefault(name, [0, *local[1:]])[0] += local[0]  # concatenated on dim 0
+            elif slot == 0:
+                rows.setdefault(name, [0, *local[1:]])[0] += local[0]  # w13: gate then up rows
+            if expert is not None:
+                t.shape = (per_ep, *rows[name])
+            else:
+                t.shape = tuple(rows[name])
+            if hf_name.endswith("kv_b_proj.weight"):
+                derived = hf_name.replace("kv_b_proj.weight", "w_kc_w_vc")
+                out[derived] = EngineTensor(derived, tdtype, shape=tuple(local), derived_from=name)
+    return out

@@ -1,0 +1,269 @@
+"""Per-GPU memory plan of colocated training and rollout, refused before anything is allocated.
+
+Everything is bytes on one GPU; for the trainer, the worst pipeline stage. Shapes come from
+`layout.inventory` (megatron's meta model + the declarative mapping), never from formulas here.
+
+Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `layout.py`):
+  weights    = (N_d + N_e) * b            b = 2 for bf16, 4 for fp32; the router's expert bias: 4 B
+  grads      = (N_d + N_e) * (4 if memory.grad_fp32 else b)
+  optimizer  = o * (N_d / dp + N_e / edp) with the distributed optimizer, else o * (N_d + N_e);
+               o = 4 (fp32 main params, only when b != 4) + 8 (Adam's two fp32 moments),
+               dp = world / (tp * pp), edp = world / (pp * ep * etp) (expert data parallel)
+  activations, T = tokens per micro-batch (micro_batch_size * (prompt + response), or
+               ppo_max_token_len_per_gpu with dynamic batching); per layer 34 * T * h / tp
+               (Korthikanti et al. 2022, bf16, sequence parallel, no s^2 term: SDPA/flash attention)
+               plus T * topk / tp * (2h + 3 * I_moe / etp) * 2 for the routed experts of an MoE
+               layer (balanced routing: each rank of the EP group gets its share of the T / tp
+               tokens every TP rank holds under sequence parallelism).
+               Full recompute keeps 2 * T * h / tp per layer plus one layer's full set. 1F1B keeps
+               pp - s micro-batches in flight on stage s; the last stage adds T * V / tp * 10
+               (bf16 logits, fp32 log-softmax and its gradient).
+Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
+  weights    = the rank's tensors in SGLang's layout (`layout.engine_tensors`): vocab-split
+               embeddings/lm_head, replicated q_a/kv_a, experts E/ep per rank split over moe_tp,
+               plus SGLang's w_kc/w_vc copies of kv_b_proj
+  KV cache   per token: MLA (kv_lora_rank + qk_rope_head_dim) * L * 2 B (not split over tp);
+               MHA/GQA 2 * max(1, kv_heads / tp) * head_dim * L * 2 B
+  mem_fraction_static f: SGLang measures the free memory P before loading (pre_model_load_memory)
+               and sizes the pool as free-after-load - P * (1 - f), i.e. weights + KV = f * P and
+               (1 - f) * P is left for CUDA graphs and activations. P here is the capacity minus
+               what is resident between phases (reserved, sync buffers, trainer states if not
+               offloaded). The planner picks the largest f (step 0.01, at most 0.95) whose
+               (1 - f) * P still holds the CUDA graphs and runtime activations.
+  CUDA graphs = memory.cuda_graph_gb, or about cuda_graph_max_bs * (4 V / tp + 64 h) + 512 MiB
+               (the largest batch's logits and hidden buffers, shared pool). Under hook mode
+               "torch" torch_memory_saver cannot pause graph memory: it stays in every phase.
+  activations = chunked_prefill_size * 32 h + cuda_graph_max_bs * 8 V / tp
+Always resident: memory.reserved_gb (CUDA contexts of both processes, NCCL, fragmentation) and
+2 sync buckets of memory.sync_bucket_mb (one gathering, one in flight; outside saver regions).
+
+Phases: train (engine released), sync (engine weights resumed, trainer released), rollout
+(KV cache and CUDA graphs resumed). A phase over capacity raises PlanError(phase, shortfall).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mcore_rl.memory.layout import engine_tensors, inventory, megatron_rank_numel, stage_layers
+from mcore_rl.models.config import HFModel
+
+GiB = 1 << 30
+MiB = 1 << 20
+PHASES = ("train", "sync", "rollout")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class PlanError(RuntimeError):
+    """A phase does not fit on the GPU; carries the plan so the table can show where."""
+
+    def __init__(self, phase: str, shortfall: int, plan: "Plan | None" = None, why: str = ""):
+        self.phase, self.shortfall, self.plan = phase, shortfall, plan
+        need = f" ({why})" if why else ""
+        super().__init__(f"memory plan refused: phase '{phase}' is short by {shortfall / GiB:.2f} GiB "
+                         f"per GPU{need}")
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner needs, taken from a Config (`from_config`) or given directly (tests)."""
+
+    capacity: int  # bytes usable on one GPU
+    world: int  # actor GPUs
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    dtype: str = "bf16"
+    micro_tokens: int = 4096
+    rollout_tp: int = 1
+    rollout_ep: int = 1
+    mem_fraction_static: float | None = None  # None: pick
+    seq_len: int = 4096  # one full sequence (prompt + response) must fit in the KV cache
+    cuda_graph_max_bs: int = 256
+    chunked_prefill_size: int = 8192
+    cuda_graph_bytes: int | None = None
+    reserved: int = 4 * GiB
+    sync_bucket: int = 512 * MiB
+    offload_train_states: bool = True
+    distributed_optimizer: bool = True
+    grad_fp32: bool = False
+    recompute: bool = False
+    hook_mode: str = "preload"
+
+    @classmethod
+    def from_config(cls, cfg, capacity: int) -> "PlanInputs":
+        from mcore_rl.config import actor_gpus
+
+        a, r, m, d, p = cfg.actor, cfg.rollout, cfg.memory, cfg.data, cfg.parallel
+        seq = d.max_prompt_length + r.max_response_len
+        return cls(
+            capacity=capacity, world=actor_gpus(cfg), tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp,
+            dtype=cfg.model.dtype,
+            micro_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.micro_batch_size * seq,
+            rollout_tp=r.tp_size, rollout_ep=r.ep_size,
+            mem_fraction_static=None if m.auto_mem_fraction else r.mem_fraction_static,
+            seq_len=seq, cuda_graph_max_bs=r.cuda_graph_max_bs, chunked_prefill_size=r.chunked_prefill_size,
+            cuda_graph_bytes=None if m.cuda_graph_gb is None else int(m.cuda_graph_gb * GiB),
+            reserved=int(m.reserved_gb * GiB), sync_bucket=m.sync_bucket_mb * MiB,
+            offload_train_states=m.offload_train_states, distributed_optimizer=m.distributed_optimizer,
+            grad_fp32=m.grad_fp32, recompute=m.recompute_activations, hook_mode=m.saver_hook_mode)
+
+
+@dataclass
+class Plan:
+    inputs: PlanInputs
+    phases: dict[str, dict[str, int]]  # phase -> component -> bytes
+    mem_fraction_static: float
+    kv_tokens: int
+    worst_stage: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    def shortfalls(self) -> dict[str, int]:
+        return {ph: self.total(ph) - self.inputs.capacity for ph in PHASES
+                if self.total(ph) > self.inputs.capacity}
+
+    def table(self) -> str:
+        comps = list(dict.fromkeys(c for ph in PHASES for c in self.phases[ph]))
+        w = max(len(c) for c in comps + ["free (capacity - total)"]) + 2
+        head = f"{'GiB per GPU':<{w}}" + "".join(f"{ph:>10}" for ph in PHASES)
+        lines = [head, "-" * len(head)]
+        for c in comps:
+            lines.append(f"{c:<{w}}" + "".join(f"{self.phases[ph].get(c, 0) / GiB:>10.2f}" for ph in PHASES))
+        lines.append("-" * len(head))
+        lines.append(f"{'total':<{w}}" + "".join(f"{self.total(ph) / GiB:>10.2f}" for ph in PHASES))
+        cap = self.inputs.capacity
+        lines.append(f"{'capacity':<{w}}" + "".join(f"{cap / GiB:>10.2f}" for _ in PHASES))
+        lines.append(f"{'free (capacity - total)':<{w}}"
+                     + "".join(f"{(cap - self.total(ph)) / GiB:>10.2f}" for ph in PHASES))
+        over = ["OVER" if self.total(ph) > cap else "ok" for ph in PHASES]
+        lines.append(f"{'fits':<{w}}" + "".join(f"{o:>10}" for o in over))
+        i = self.inputs
+        lines.append("")
+        lines.append(f"trainer: tp={i.tp} pp={i.pp} ep={i.ep} etp={i.etp} on {i.world} GPUs, worst stage "
+                     f"{self.worst_stage['train']}; engine: tp={i.rollout_tp} ep={i.rollout_ep}")
+        lines.append(f"mem_fraction_static={self.mem_fraction_static:.2f} -> KV cache "
+                     f"{self.kv_tokens:,} tokens ({self.kv_tokens // max(i.seq_len, 1):,} full "
+                     f"sequences of {i.seq_len})")
+        lines += self.notes
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"capacity": self.inputs.capacity, "phases": self.phases,
+                "totals": {ph: self.total(ph) for ph in PHASES},
+                "mem_fraction_static": self.mem_fraction_static, "kv_tokens": self.kv_tokens,
+                "worst_stage": self.worst_stage}
+
+
+# ----------------------------------------------------------------------------- components
+def trainer_bytes(hf: HFModel, i: PlanInputs, stage: int) -> dict[str, int]:
+    b = DTYPE_BYTES[i.dtype]
+    n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
+    dp, edp = i.world // (i.tp * i.pp), i.world // (i.pp * i.ep * i.etp)
+    o = (4 if b != 4 else 0) + 8
+    if i.distributed_optimizer:
+        opt = o * (math.ceil(n["dense"] / dp) + math.ceil(n["expert"] / edp))
+    else:
+        opt = o * (n["dense"] + n["expert"])
+    return {"megatron weights": (n["dense"] + n["expert"]) * b + n["buffer"] * 4,
+            "megatron grads": (n["dense"] + n["expert"]) * (4 if i.grad_fp32 else b),
+            "megatron optimizer": opt,
+            "megatron activations": activation_bytes(hf, i, stage)}
+
+
+def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
+    T, h = i.micro_tokens, hf.hidden_size
+    layers = stage_layers(hf, i.pp)[stage]
+
+    def full(layer: int) -> int:
+        a = 34 * T * h // i.tp
+        if hf.is_moe_layer(layer):
+            a += T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
+        return a
+
+    if i.recompute:
+        stored = len(layers) * 2 * T * h // i.tp + max((full(x) for x in layers), default=0)
+    else:
+        stored = sum(full(x) for x in layers)
+    total = (i.pp - stage) * stored
+    if stage == i.pp - 1:
+        total += T * hf.vocab_size // i.tp * 10
+    return total
+
+
+def kv_bytes_per_token(hf: HFModel, tp: int) -> int:
+    if hf.is_mla:
+        return (hf.kv_lora_rank + hf.qk_rope_head_dim) * hf.num_layers * 2
+    return 2 * max(1, hf.num_kv_heads // tp) * hf.head_dim * hf.num_layers * 2
+
+
+def engine_weight_bytes(hf: HFModel, i: PlanInputs) -> int:
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[i.dtype]
+    ts = engine_tensors(hf, inventory(hf), tp=i.rollout_tp, ep=i.rollout_ep, dtype=dtype)
+    return sum(t.nbytes for t in ts.values())
+
+
+def cuda_graph_bytes(hf: HFModel, i: PlanInputs) -> int:
+    if i.cuda_graph_bytes is not None:
+        return i.cuda_graph_bytes
+    return i.cuda_graph_max_bs * (4 * hf.vocab_size // i.rollout_tp + 64 * hf.hidden_size) + 512 * MiB
+
+
+def engine_activation_bytes(hf: HFModel, i: PlanInputs) -> int:
+    return i.chunked_prefill_size * 32 * hf.hidden_size + i.cuda_graph_max_bs * 8 * hf.vocab_size // i.rollout_tp
+
+
+# ----------------------------------------------------------------------------- the plan
+def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
+    """The per-phase plan; raises PlanError naming the phase with the largest shortfall."""
+    stages = [trainer_bytes(hf, i, s) for s in range(i.pp)]
+    states = ("megatron weights", "megatron grads", "megatron optimizer")
+    worst_train = max(range(i.pp), key=lambda s: sum(stages[s].values()))
+    worst_rest = max(range(i.pp), key=lambda s: sum(stages[s][k] for k in states))
+    train, rest = stages[worst_train], stages[worst_rest]
+    residue = {} if i.offload_train_states else {k: rest[k] for k in states}
+    always = {"reserved (contexts, NCCL)": i.reserved, "sync buckets": 2 * i.sync_bucket}
+    w_engine, graphs = engine_weight_bytes(hf, i), cuda_graph_bytes(hf, i)
+    act_engine = engine_activation_bytes(hf, i)
+    pinned = {"engine cuda graphs": graphs} if i.hook_mode == "torch" else {}
+
+    P = i.capacity - sum(always.values()) - sum(residue.values()) - sum(pinned.values())
+    if i.mem_fraction_static is None:
+        f = min(0.95, math.floor((P - graphs * (not pinned) - act_engine) / max(P, 1) * 100) / 100)
+    else:
+        f = i.mem_fraction_static
+    kv = max(0, int(f * P) - w_engine)
+    per_token = kv_bytes_per_token(hf, i.rollout_tp)
+    phases = {
+        "train": {**always, **pinned, **train},
+        "sync": {**always, **pinned, **residue, "engine weights": w_engine},
+        "rollout": {**always, **pinned, **residue, "engine weights": w_engine, "engine kv cache": kv,
+                    "engine cuda graphs": graphs, "engine activations": act_engine},
+    }
+    plan = Plan(i, phases, f, kv // per_token, {"train": worst_train, "other": worst_rest})
+    plan.notes.append(f"engine weights per rank {w_engine / GiB:.2f} GiB; KV {per_token:,} B/token; "
+                      f"host memory for offloaded trainer states "
+                      f"{sum(rest[k] for k in states) / GiB:.2f} GiB per GPU"
+                      + ("" if i.offload_train_states else " (offload off: they stay on the GPU)"))
+    short = plan.shortfalls()
+    if short:
+        phase = max(short, key=short.get)
+        raise PlanError(phase, short[phase], plan, _why(plan, phase))
+    need_kv = i.seq_len * per_token
+    if kv < need_kv:
+        raise PlanError("rollout", need_kv - kv, plan,
+                        f"the KV cache at mem_fraction_static={f:.2f} holds {kv // per_token} tokens, "
+                        f"less than one sequence of {i.seq_len}")
+    return plan
+
+
+def _why(plan: Plan, phase: str) -> str:
+    top = sorted(plan.phases[phase].items(), key=lambda kv: -kv[1])[:3]
+    parts = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in top)
+    return f"needs {plan.total(phase) / GiB:.2f} of {plan.inputs.capacity / GiB:.2f} GiB; largest: {parts}"

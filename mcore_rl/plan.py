@@ -1,0 +1,58 @@
+"""`python -m mcore_rl.plan --config CONFIG.yaml [key=value ...]`: the per-GPU memory plan.
+
+Prints the table of every phase (works without a GPU: the capacity then comes from
+memory.gpu_memory_gb). Exit 0 when the plan fits, 1 with the refusal (phase and shortfall)
+when it does not, 2 on a config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mcore_rl.config import ConfigError, hf_model_dims, load_config
+from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
+from mcore_rl.memory.planner import Plan, PlanError, PlanInputs, make_plan
+from mcore_rl.models.config import HFModel, UnsupportedModelError
+
+
+def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
+    """The plan of a validated Config; raises PlanError when it cannot fit."""
+    source = "given"
+    if capacity is None:
+        capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
+    dims = hf_model_dims(cfg.model)
+    if dims is None:
+        raise ConfigError("model: the planner needs the model's shapes: model.hf_config, or a "
+                          "readable model.hf_path/config.json")
+    return make_plan(HFModel.from_dict(dims), PlanInputs.from_config(cfg, capacity)), source
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mcore_rl.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        plan, source = plan_for_config(cfg)
+    except (ConfigError, GpuSelectionError, UnsupportedModelError) as e:
+        print(e, file=sys.stderr)
+        return 2
+    except PlanError as e:
+        if e.plan is not None:
+            print(e.plan.table())
+        print(f"\n{e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print(plan.table())
+        print(f"capacity from {source}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

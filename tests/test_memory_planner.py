@@ -1,0 +1,222 @@
+"""The memory planner against byte counts written out here from the raw HF config numbers."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mcore_rl.memory.gpus import GpuSelectionError, parse_visible, plan_capacity
+from mcore_rl.memory.planner import GiB, PlanError, PlanInputs, make_plan, trainer_bytes
+from mcore_rl.models.config import HFModel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOONLIGHT_YAML = os.path.join(ROOT, "configs", "moonlight_16b.yaml")
+V3_YAML = os.path.join(ROOT, "configs", "deepseek_v3_671b.yaml")
+
+
+def hf_of(path: str) -> dict:
+    with open(path) as f:
+        return yaml.safe_load(f)["model"]["hf_config"]
+
+
+MOONLIGHT, V3 = hf_of(MOONLIGHT_YAML), hf_of(V3_YAML)
+
+
+# ----------------------------------------------------------------------------- closed forms
+def layer_params(c: dict, layer: int) -> dict[str, int]:
+    """Parameters of one decoder layer by kind, straight from the HF config numbers."""
+    H, heads = c["hidden_size"], c["num_attention_heads"]
+    nope, rope, v, kvl = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    qlr = c["q_lora_rank"]
+    out = {"norms": 2 * H + kvl, "kv_a": (kvl + rope) * H, "kv_b": heads * (nope + v) * kvl,
+           "o": H * heads * v}
+    if qlr:
+        out.update(q_a=qlr * H, q_b=heads * (nope + rope) * qlr, norms=out["norms"] + qlr)
+    else:
+        out["q"] = heads * (nope + rope) * H
+    if layer < c["first_k_dense_replace"]:
+        out["mlp"] = 3 * H * c["intermediate_size"]
+    else:
+        E, Im = c["n_routed_experts"], c["moe_intermediate_size"]
+        out.update(router=E * H, expert_bias=E, expert=3 * H * Im,
+                   shared=3 * H * c["n_shared_experts"] * Im)
+    return out
+
+
+def split_layers(n: int, pp: int) -> list[range]:
+    first = n // pp
+    sizes = [first] * pp if n % pp == 0 else [first] * (pp - 1) + [n - (pp - 1) * first]
+    return [range(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
+
+
+def megatron_expected(c, tp, pp, ep, etp, world, stage) -> dict[str, int]:
+    """Megatron: every linear (also MLA's down projections) split over TP, norms and router replicated."""
+    dense = expert = bias = 0
+    for layer in split_layers(c["num_hidden_layers"], pp)[stage]:
+        p = layer_params(c, layer)
+        dense += p["norms"] + (p["kv_a"] + p["kv_b"] + p["o"] + p.get("q", 0) + p.get("q_a", 0)
+                               + p.get("q_b", 0) + p.get("mlp", 0) + p.get("shared", 0)) // tp
+        if "expert" in p:
+            dense += p["router"]
+            bias += p["expert_bias"]
+            expert += c["n_routed_experts"] // ep * p["expert"] // etp
+    V, H = c["vocab_size"], c["hidden_size"]
+    if stage == 0:
+        dense += V * H // tp
+    if stage == pp - 1:
+        dense += V * H // tp + H
+    dp, edp = world // (tp * pp), world // (pp * ep * etp)
+    return {"megatron weights": 2 * (dense + expert) + 4 * bias, "megatron grads": 2 * (dense + expert),
+            "megatron optimizer": 12 * (math.ceil(dense / dp) + math.ceil(expert / edp))}
+
+
+def engine_expected(c, tp, ep) -> int:
+    """SGLang: q_a/kv_a replicated, experts E/ep per rank over moe_tp = tp/ep, w_kc/w_vc = kv_b again."""
+    V, H, E = c["vocab_size"], c["hidden_size"], c["n_routed_experts"]
+    n, fp32 = 2 * V * H // tp + H, 0
+    for layer in range(c["num_hidden_layers"]):
+        p = layer_params(c, layer)
+        n += p["norms"] + p["kv_a"] + p.get("q_a", 0) + 2 * p["kv_b"] // tp + p["o"] // tp
+        n += (p.get("q", 0) + p.get("q_b", 0) + p.get("mlp", 0) + p.get("shared", 0)) // tp
+        if "expert" in p:
+            n += p["router"] + E // ep * p["expert"] // (tp // ep)
+            fp32 += p["expert_bias"]
+    return 2 * n + 4 * fp32
+
+
+# ----------------------------------------------------------------------------- tests
+LAYOUTS = [
+    ("moonlight", dict(tp=2, pp=1, ep=8, etp=1, world=16)),
+    ("moonlight", dict(tp=1, pp=3, ep=4, etp=1, world=12)),
+    ("moonlight", dict(tp=4, pp=2, ep=2, etp=2, world=16)),  # 27 layers: 13 + 14
+    ("v3", dict(tp=8, pp=8, ep=32, etp=1, world=256)),  # 61 layers: 7 x 7 + 12
+    ("v3", dict(tp=4, pp=16, ep=64, etp=1, world=1024)),
+]
+
+
+@pytest.mark.parametrize("name,lay", LAYOUTS, ids=[f"{n}-tp{l['tp']}pp{l['pp']}ep{l['ep']}" for n, l in LAYOUTS])
+def test_megatron_bytes_per_stage(name, lay):
+    c = MOONLIGHT if name == "moonlight" else V3
+    hf = HFModel.from_dict(c)
+    i = PlanInputs(capacity=80 * GiB, world=lay["world"], tp=lay["tp"], pp=lay["pp"], ep=lay["ep"],
+                   etp=lay["etp"])
+    for stage in range(lay["pp"]):
+        got = trainer_bytes(hf, i, stage)
+        want = megatron_expected(c, lay["tp"], lay["pp"], lay["ep"], lay["etp"], lay["world"], stage)
+        assert {k: got[k] for k in want} == want, f"stage {stage}"
+
+
+@pytest.mark.parametrize("name,tp,ep", [("moonlight", 16, 16), ("moonlight", 8, 2), ("moonlight", 1, 1),
+                                        ("v3", 32, 32), ("v3", 16, 8)])
+def test_engine_weights_and_kv_cache(name, tp, ep):
+    c = MOONLIGHT if name == "moonlight" else V3
+    i = PlanInputs(capacity=1 << 50, world=8, rollout_tp=tp, rollout_ep=ep, mem_fraction_static=0.5)
+    plan = make_plan(HFModel.from_dict(c), i)
+    assert plan.phases["rollout"]["engine weights"] == engine_expected(c, tp, ep)
+    kv_per_token = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * c["num_hidden_layers"] * 2  # MLA: not split
+    assert plan.kv_tokens == plan.phases["rollout"]["engine kv cache"] // kv_per_token
+    # SGLang: weights + KV = f * (free memory when the engine starts)
+    P = i.capacity - i.reserved - 2 * i.sync_bucket
+    assert plan.phases["rollout"]["engine kv cache"] == int(0.5 * P) - engine_expected(c, tp, ep)
+
+
+def test_whole_model_counts_match_the_published_sizes():
+    # Moonlight-16B-A3B: 15.96 B parameters; DeepSeek-V3: 671 B without the MTP layer
+    for c, billions in ((MOONLIGHT, 15.96), (V3, 671.0)):
+        lay = dict(tp=1, pp=1, ep=1, etp=1, world=1)
+        w = megatron_expected(c, stage=0, **lay)["megatron grads"] // 2
+        assert abs(w / 1e9 - billions) < 0.05
+
+
+def test_activations_follow_the_documented_estimate():
+    c = MOONLIGHT
+    hf = HFModel.from_dict(c)
+    T, H, tp = 8192, c["hidden_size"], 2
+    i = PlanInputs(capacity=80 * GiB, world=16, tp=tp, ep=8, micro_tokens=T)
+    moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
+    want = 27 * 34 * T * H // tp + 26 * moe + T * c["vocab_size"] // tp * 10
+    assert trainer_bytes(hf, i, 0)["megatron activations"] == want
+
+
+def test_oversized_plan_is_refused_naming_phase_and_shortfall():
+    hf = HFModel.from_dict(MOONLIGHT)
+    i = PlanInputs(capacity=24 * GiB, world=16, tp=2, ep=8, micro_tokens=2 * 5120, rollout_tp=16, rollout_ep=16)
+    with pytest.raises(PlanError) as info:
+        make_plan(hf, i)
+    e = info.value
+    assert e.phase == "train" and e.shortfall == e.plan.total("train") - 24 * GiB > 0
+    assert f"phase 'train' is short by {e.shortfall / GiB:.2f} GiB" in str(e)
+    assert "OVER" in e.plan.table()
+    # the KV cache must hold at least one full sequence
+    tiny_kv = PlanInputs(capacity=80 * GiB, world=16, tp=2, ep=8, micro_tokens=1024, rollout_tp=16,
+                         rollout_ep=16, mem_fraction_static=0.03, seq_len=100_000)
+    with pytest.raises(PlanError, match="phase 'rollout'.*less than one sequence"):
+        make_plan(hf, tiny_kv)
+
+
+def test_picked_mem_fraction_leaves_room_for_graphs_and_activations():
+    hf = HFModel.from_dict(MOONLIGHT)
+    i = PlanInputs(capacity=80 * GiB, world=16, tp=2, ep=8, rollout_tp=16, rollout_ep=16)
+    plan = make_plan(hf, i)
+    P = i.capacity - i.reserved - 2 * i.sync_bucket  # trainer states offloaded
+    r = plan.phases["rollout"]
+    assert r["engine weights"] + r["engine kv cache"] == int(plan.mem_fraction_static * P)
+    assert (1 - plan.mem_fraction_static) * P >= r["engine cuda graphs"] + r["engine activations"]
+    assert plan.total("rollout") <= i.capacity
+
+
+def run_cli(*args):
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "mcore_rl.plan", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_prints_the_table_and_refuses_a_small_gpu():
+    ok = run_cli("--config", MOONLIGHT_YAML)
+    assert ok.returncode == 0, ok.stderr
+    assert "engine kv cache" in ok.stdout and "mem_fraction_static=" in ok.stdout
+    small = run_cli("--config", MOONLIGHT_YAML, "memory.gpu_memory_gb=24")
+    assert small.returncode == 1
+    assert "OVER" in small.stdout and "memory plan refused: phase 'train' is short by" in small.stderr
+    bad = run_cli("--config", MOONLIGHT_YAML, "memory.gpu_memory_gb=-1")
+    assert bad.returncode == 2 and "memory.gpu_memory_gb must be > 0" in bad.stderr
+
+
+def test_v3_config_fits_with_its_layout():
+    from mcore_rl.config import load_config
+    from mcore_rl.plan import plan_for_config
+
+    plan, _ = plan_for_config(load_config(V3_YAML), capacity=int(80 * GiB))
+    assert all(plan.total(ph) <= plan.inputs.capacity for ph in plan.phases)
+
+
+# ----------------------------------------------------------------------------- GPUs
+UUIDS = ["GPU-aaaa-0000", "GPU-bbbb-1111", "GPU-cccc-2222", "GPU-cccd-3333"]
+
+
+def test_visible_devices_resolve_to_uuids_and_refuse_duplicates():
+    assert parse_visible(None, UUIDS) == UUIDS
+    assert parse_visible("2,0", UUIDS) == [UUIDS[2], UUIDS[0]]
+    assert parse_visible("GPU-bbbb-1111,aaaa", UUIDS) == [UUIDS[1], UUIDS[0]]  # full UUID, prefix
+    for spec, msg in (("0,1,0,1", "twice"), ("1,GPU-bbbb", "twice"), ("4", "not one of"),
+                      ("GPU-ccc", "matches 2 GPUs"), ("0,,1", "empty entry")):
+        with pytest.raises(GpuSelectionError, match=msg):
+            parse_visible(spec, UUIDS)
+
+
+def test_capacity_without_nvml_comes_from_the_config():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pytest.skip("NVML present: the capacity comes from the GPUs")
+    except Exception:
+        pass
+    assert plan_capacity(24.0) == (24 * GiB, "memory.gpu_memory_gb (no NVML)")
+    with pytest.raises(GpuSelectionError, match="set memory.gpu_memory_gb"):
+        plan_capacity(None)
