@@ -1,0 +1,102 @@
+"""Colocated training and rollout on the same GPUs, one phase change at a time.
+
+    to_train():   engine releases kv_cache, weights, cuda_graph -> trainer onloads its states
+    to_rollout(): trainer offloads -> engine resumes weights -> weights are synced
+                  -> engine resumes kv_cache, cuda_graph
+
+Weights come back before the KV cache so the sync never competes with the KV pool for
+memory, and every resume is checked against free memory first (`ResumeRefused`), so a resume
+that cannot fit fails with a Python error on every rank instead of a silent exit(1) in one.
+Sync and IPC buffers belong to neither side: allocate them outside any memory-saver region.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol, Sequence
+
+from mcore_rl.memory.saver import MemorySaver, ResumeRefused
+
+ROLLOUT_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+class Engine(Protocol):
+    def release(self, tags: Sequence[str]) -> None: ...
+
+    def resume(self, tags: Sequence[str]) -> None: ...
+
+
+class Trainer(Protocol):
+    def offload(self) -> object: ...
+
+    def onload(self) -> None: ...
+
+
+class SaverEngine:
+    """An engine whose memory is our own torch_memory_saver regions (tests, benchmarks).
+
+    `tags` maps an engine tag to its saver tags in resume order, e.g. weights -> the dense
+    weights, then expert chunks; a tag without saver tags (CUDA graphs in hook mode "torch")
+    is left alone.
+    """
+
+    def __init__(self, saver: MemorySaver, tags: dict[str, list[str]]):
+        self.saver, self.tags = saver, tags
+
+    def release(self, tags):
+        for t in tags:
+            for s in self.tags.get(t, []):
+                self.saver.pause(s)
+
+    def resume(self, tags):
+        for t in tags:
+            self.saver.resume_in_order(self.tags.get(t, []))
+
+
+class Colocation:
+    """The phase changes of one colocated worker, timed (`timings[name]` in seconds)."""
+
+    def __init__(self, engine: Engine, trainer: Trainer, sync: Callable[[], object], *,
+                 offload_train_states: bool = True,
+                 free_bytes: Callable[[], int] | None = None,
+                 resume_needs: dict[str, int] | None = None):
+        self.engine, self.trainer, self.sync = engine, trainer, sync
+        self.offload_train_states = offload_train_states
+        self.free_bytes, self.resume_needs = free_bytes, resume_needs or {}
+        self.phase = "rollout"
+        self.timings: dict[str, list[float]] = {}
+
+    def _timed(self, name: str, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.timings.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+    def _check(self, tag: str) -> None:
+        """Refuse an engine resume the plan says cannot fit in the free memory now."""
+        need = self.resume_needs.get(tag)
+        if need is None or self.free_bytes is None:
+            return
+        free = self.free_bytes()
+        if free < need:
+            raise ResumeRefused(tag, need, free)
+
+    def to_train(self) -> None:
+        if self.phase != "rollout":
+            raise RuntimeError(f"to_train() called in phase {self.phase!r}")
+        self._timed("release_rollout", self.engine.release, list(ROLLOUT_TAGS))
+        if self.offload_train_states:
+            self._timed("onload_trainer", self.trainer.onload)
+        self.phase = "train"
+
+    def to_rollout(self) -> None:
+        if self.phase != "train":
+            raise RuntimeError(f"to_rollout() called in phase {self.phase!r}")
+        if self.offload_train_states:
+            self._timed("offload_trainer", self.trainer.offload)
+        self._check("weights")
+        self._timed("resume_weights", self.engine.resume, ["weights"])
+        self._timed("sync", self.sync)
+        self._check("kv_cache")
+        self._timed("resume_kv_cache", self.engine.resume, ["kv_cache", "cuda_graph"])
+        self.phase = "rollout"
