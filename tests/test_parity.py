@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -20,11 +21,23 @@ from tests.tiny_models import FAMILIES, make_hf_model
 
 TOL = 1e-4
 MOE = ("deepseek_v3", "deepseek_v2")
-LAYOUTS = {  # name: (tp, pp, ep, first-stage layers, families)
-    "tp2": (2, 1, 1, None, tuple(FAMILIES)),
-    "ep2": (1, 1, 2, None, MOE),
-    "pp2": (1, 2, 1, None, tuple(FAMILIES)),
-    "pp2_uneven": (1, 2, 1, 1, ("deepseek_v3",)),
+
+
+class L(NamedTuple):
+    tp: int
+    pp: int
+    ep: int
+    first: int | None  # first-stage layers (uneven PP)
+    fams: tuple[str, ...]
+    etp: int = 1
+
+
+LAYOUTS = {
+    "tp2": L(2, 1, 1, None, tuple(FAMILIES)),
+    "ep2": L(1, 1, 2, None, MOE),
+    "tp2_etp2": L(2, 1, 1, None, MOE, etp=2),  # experts split over TP too (expert tensor parallel)
+    "pp2": L(1, 2, 1, None, tuple(FAMILIES)),
+    "pp2_uneven": L(1, 2, 1, 1, ("deepseek_v3",)),
 }
 
 
@@ -48,7 +61,7 @@ def zoo(tmp_path_factory):
     return root
 
 
-def _eval(rank, root, fam, ckpt, tp, pp, ep, first=None):
+def _eval(rank, root, fam, ckpt, tp, pp, ep, first=None, etp=1):
     """Build `fam` at the current layout, load `ckpt`, return (max |diff| vs HF, logits) on the
     rank that holds the full logits, else None."""
     from megatron.core import parallel_state as ps
@@ -59,7 +72,7 @@ def _eval(rank, root, fam, ckpt, tp, pp, ep, first=None):
 
     hf = HFModel.from_dir(os.path.join(root, fam, "hf"))
     ref = torch.load(os.path.join(root, fam, "ref.pt"), weights_only=True)
-    cfg = transformer_config(hf, tp=tp, pp=pp, ep=ep, dtype=torch.float32, cpu=True,
+    cfg = transformer_config(hf, tp=tp, pp=pp, ep=ep, etp=etp, dtype=torch.float32, cpu=True,
                              pp_first_layers=first, pp_last_layers=(hf.num_layers - first) if first else None)
     model = build_model(hf, cfg).eval()
     load_model(model, ckpt)
@@ -76,14 +89,14 @@ def _layouts_worker(rank, root, layouts, out):
     from mcore_rl.parallel import Layout, init_distributed
 
     results = {}
-    for name, (tp, pp, ep, first, fams) in layouts.items():
-        init_distributed(Layout(tp=tp, pp=pp, ep=ep))
+    for name, (tp, pp, ep, first, fams, etp) in layouts.items():
+        init_distributed(Layout(tp=tp, pp=pp, ep=ep, etp=etp))
         for fam in fams:
             for ck in ("ckpt", "ckpt_tp2pp2ep2"):
                 path = os.path.join(root, fam, ck)
                 if not os.path.exists(path):
                     continue
-                r = _eval(rank, root, fam, path, tp, pp, ep, first)
+                r = _eval(rank, root, fam, path, tp, pp, ep, first, etp)
                 if r is not None:
                     results[f"{name}/{fam}/{ck}"] = r[0]
                     torch.save(r[1], os.path.join(root, fam, f"logits_{name}_{ck}.pt"))
@@ -134,7 +147,7 @@ def test_tp1_parity(zoo, fam):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parallel_parity(layout_results, layout):
-    fams = LAYOUTS[layout][4]
+    fams = LAYOUTS[layout].fams
     for fam in fams:
         key = f"{layout}/{fam}/ckpt"
         assert key in layout_results, f"no result for {key}: {sorted(layout_results)}"
