@@ -122,7 +122,8 @@ class EngineTensor:
 
     name: str
     dtype: torch.dtype
-    pieces: list[tuple[str, int | None, int]] = field(default_factory=list)  # (hf, split dim, slot)
+    # (hf name, split dim or None, parts, this rank's part, expert slot or -1), in row order
+    pieces: list[tuple[str, int | None, int, int, int]] = field(default_factory=list)
     shape: tuple[int, ...] = ()
     derived_from: str | None = None  # SGLang's w_kc/w_vc, computed from kv_b_proj after loading
 
@@ -153,16 +154,18 @@ def _engine_name(hf: HFModel, hf_name: str) -> tuple[str, int | None]:
     return ".".join(parts[:-2] + [fused, parts[-1]]), None
 
 
-def _engine_shard(hf: HFModel, hf_name: str, shape: tuple[int, ...], tp: int, ep: int):
-    """(split dim, parts) of one HF tensor on one engine rank."""
+def _engine_shard(hf: HFModel, hf_name: str, tp: int, ep: int, rank: int):
+    """(split dim, parts, this rank's part) of one HF tensor on engine rank `rank`."""
+    dim = 1 if any(k in hf_name for k in ROW_PARALLEL) else 0
     if ".mlp.experts." in hf_name:
         moe_tp = tp // ep
-        return (1 if "down_proj" in hf_name else 0), moe_tp
+        return dim, moe_tp, rank % moe_tp
     if any(k in hf_name for k in REPLICATED_IN_ENGINE):
-        return None, 1
+        return None, 1, 0
     if not hf.is_mla and any(k in hf_name for k in ("k_proj", "v_proj")) and hf.num_kv_heads < tp:
-        return 0, hf.num_kv_heads  # SGLang replicates KV heads when tp > kv heads: one head per rank
-    return (1 if any(k in hf_name for k in ROW_PARALLEL) else 0), tp
+        # SGLang replicates KV heads when tp > kv heads: one head per rank
+        return 0, hf.num_kv_heads, rank * hf.num_kv_heads // tp
+    return dim, tp, rank
 
 
 def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
@@ -178,14 +181,14 @@ def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
             continue
         for hf_name, shape in w.hf:
             name, expert = _engine_name(hf, hf_name)
-            dim, parts = _engine_shard(hf, hf_name, shape, tp, ep)
+            dim, parts, index = _engine_shard(hf, hf_name, tp, ep, rank)
             local = list(shape)
             if dim is not None:
                 local[dim] //= parts
             tdtype = torch.float32 if any(k in hf_name for k in FP32_HF) else dtype
             t = out.setdefault(name, EngineTensor(name, tdtype))
             slot = None if expert is None else expert - mine.start
-            t.pieces.append((hf_name, dim, slot if slot is not None else -1))
+            t.pieces.append((hf_name, dim, parts, index, slot if slot is not None else -1))
             if slot is None:
                 rows.setdefault(name, [0, *local[1:]])[0] += local[0]  # concatenated on dim 0
             elif slot == 0:

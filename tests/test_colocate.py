@@ -1,0 +1,140 @@
+"""Colocation on CPU: the memory-saver no-op fallback, the choreography's order and guards,
+trainer state offload, and the GPU benchmark script at tiny size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mcore_rl.memory import saver as saver_mod
+from mcore_rl.memory.colocate import Colocation, SaverEngine
+from mcore_rl.memory.offload import StateOffloader
+from mcore_rl.memory.saver import MemorySaver, ResumeRefused, SaverOrderError, chunk_tags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def fresh_decision(monkeypatch):
+    monkeypatch.setattr(saver_mod, "_DECIDED", None)
+
+
+def test_saver_falls_back_to_a_noop_and_is_decided_once(fresh_decision):
+    s = saver_mod.decide(enabled=True, hook_mode="torch")
+    assert not s.active and s.reason in ("no CUDA device", "torch_memory_saver is not installed")
+    assert saver_mod.decide(enabled=True, hook_mode="torch") is s
+    with pytest.raises(SaverOrderError, match="already decided"):
+        saver_mod.decide(enabled=True, hook_mode="preload")
+
+
+def test_noop_saver_keeps_the_tag_bookkeeping():
+    s = MemorySaver(None, None, "test")
+    with s.region("weights"):
+        w = torch.ones(4)
+    assert s.pause("weights") == 0
+    with pytest.raises(RuntimeError, match="already paused"):
+        s.pause("weights")
+    with pytest.raises(RuntimeError, match="is paused"):
+        with s.region("weights"):
+            pass
+    s.resume("weights")
+    with pytest.raises(RuntimeError, match="not paused"):
+        s.resume("weights")
+    with pytest.raises(KeyError, match="unknown memory-saver tag"):
+        s.pause("kv_cache")
+    assert w.sum() == 4
+
+
+def test_chunk_tags_bound_each_chunk():
+    assert chunk_tags("e", [3, 3, 3, 5, 1], 6) == ["e/0", "e/0", "e/1", "e/2", "e/2"]
+    assert chunk_tags("e", [10, 1], 4) == ["e/0", "e/1"]  # an item over the limit gets its own chunk
+
+
+class Recorder:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def release(self, tags):
+        self.log.append((self.name, "release", tuple(tags)))
+
+    def resume(self, tags):
+        self.log.append((self.name, "resume", tuple(tags)))
+
+    def offload(self):
+        self.log.append((self.name, "offload"))
+
+    def onload(self):
+        self.log.append((self.name, "onload"))
+
+
+def test_choreography_order_and_guard():
+    log = []
+    co = Colocation(Recorder(log, "engine"), Recorder(log, "trainer"), lambda: log.append(("sync",)))
+    co.to_train()
+    co.to_rollout()
+    assert log == [("engine", "release", ("kv_cache", "weights", "cuda_graph")), ("trainer", "onload"),
+                   ("trainer", "offload"), ("engine", "resume", ("weights",)), ("sync",),
+                   ("engine", "resume", ("kv_cache", "cuda_graph"))]
+    assert set(co.timings) == {"release_rollout", "onload_trainer", "offload_trainer", "resume_weights",
+                               "sync", "resume_kv_cache"}
+    with pytest.raises(RuntimeError, match="to_rollout"):
+        co.to_rollout()
+    # a resume the plan says cannot fit is refused before the engine is touched
+    log.clear()
+    co = Colocation(Recorder(log, "engine"), Recorder(log, "trainer"), lambda: None,
+                    free_bytes=lambda: 1 << 30, resume_needs={"weights": 2 << 30})
+    co.to_train()
+    with pytest.raises(ResumeRefused, match="'weights'.*short by 1,024 MiB"):
+        co.to_rollout()
+    assert ("engine", "resume", ("weights",)) not in log
+
+
+def test_saver_engine_resumes_dense_weights_then_expert_chunks():
+    s = MemorySaver(None, None, "test")
+    tags = {"weights": ["weights", "weights/experts/0", "weights/experts/1"], "kv_cache": ["kv_cache"]}
+    for t in tags["weights"] + tags["kv_cache"]:
+        with s.region(t):
+            pass
+    order = []
+    s.resume = lambda tag, _orig=s.resume: (order.append(tag), _orig(tag))
+    engine = SaverEngine(s, tags)
+    engine.release(["kv_cache", "weights", "cuda_graph"])  # no cuda_graph tag: left alone
+    engine.resume(["weights"])
+    engine.resume(["kv_cache", "cuda_graph"])
+    assert order == ["weights", "weights/experts/0", "weights/experts/1", "kv_cache"]
+
+
+def test_offload_moves_states_and_keeps_identity():
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = [id(p) for p in model.parameters()]
+    off = StateOffloader(list(model.parameters()), [opt])
+    assert off.nbytes() == 36 * 4 * 4  # 36 elements (weight + bias) x (param, grad, 2 moments) x fp32
+    moved = off.offload()
+    assert moved == off.nbytes() and off.offload() == 0  # a second offload moves nothing
+    off.onload("cpu")
+    assert [id(p) for p in model.parameters()] == ids
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
+    opt.step()  # the optimizer still works on the same tensors
+
+
+def test_benchmark_script_runs_tiny_on_cpu(tmp_path):
+    out = tmp_path / "cc.json"
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "benchmarks/colocate_cycle.py", "--cpu", "--tiny", "--cycles", "3",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["oversized_plan_refused"]["phase"] == "train"
+    (rank,) = report["ranks"]
+    assert rank["bit_identical"] and len(rank["cycles"]) == 3
+    assert rank["cycles"][0]["loss"] > 0 and "sync" in rank["cycles"][0]
