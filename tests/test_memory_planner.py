@@ -220,3 +220,47 @@ def test_capacity_without_nvml_comes_from_the_config():
     assert plan_capacity(24.0) == (24 * GiB, "memory.gpu_memory_gb (no NVML)")
     with pytest.raises(GpuSelectionError, match="set memory.gpu_memory_gb"):
         plan_capacity(None)
+
+
+# ----------------------------------------------------------------------------- megatron itself
+MEGATRON_LAYOUTS = [dict(ep=2), dict(pp=2), dict(tp=2, etp=2)]  # TP2xETP2 covers dense TP too
+
+
+def _count_local_params(rank, cfg, out_dir):
+    import json
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.models import build_model, transformer_config
+    from mcore_rl.parallel import Layout, init_distributed
+
+    hf = HFModel.from_dict(cfg)
+    counts = []
+    for lay in MEGATRON_LAYOUTS:
+        init_distributed(Layout(**lay))
+        model = build_model(hf, transformer_config(hf, dtype=torch.float32, cpu=True, **lay))
+        counts.append(sum(p.numel() for p in model.parameters()))
+        ps.destroy_model_parallel()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(counts, f)
+
+
+def test_rank_counts_match_megatron_models_built_at_each_layout(tmp_path):
+    """Per-rank parameter counts against megatron-core's own models at EP2, PP2, TP2 x ETP2."""
+    import json
+
+    from mcore_rl.memory.layout import inventory, megatron_rank_numel
+    from tests.distributed import run
+    from tests.tiny_models import FAMILIES
+
+    cfg = dict(FAMILIES["deepseek_v3"][1], model_type="deepseek_v3")
+    run(_count_local_params, 2, cfg, str(tmp_path))
+    hf = HFModel.from_dict(cfg)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for lay, n in zip(MEGATRON_LAYOUTS, got):
+            full = {**dict(tp=1, pp=1, ep=1, etp=1), **lay}
+            stage = rank if full["pp"] == 2 else 0
+            want = megatron_rank_numel(inventory(hf), hf, stage=stage, **full)
+            assert want["dense"] + want["expert"] == n, (lay, rank)
