@@ -72,17 +72,15 @@ def worker(rank: int, args, hf_dir: str, cfg: dict, port: int, results):
     for step in range(args.steps + 1):  # step 0 warms up
         prompts = torch.randint(0, vocab, (B, P), generator=gen)
         t0 = time.perf_counter()
-        seqs = actor.generate(prompts, R, 1.0, step)
+        out = actor.generate(prompts, torch.ones_like(prompts), R, 1.0, step)
         sync()
         t1 = time.perf_counter()
-        seqs = _share(seqs, actor)
-        actor.log_probs(seqs)
+        seqs = _share(out[0] if out else None, actor)
+        batch = dict(tokens=seqs, attention_mask=torch.ones_like(seqs), response_mask=torch.ones(B, R))
+        actor.log_probs(batch)
         sync()
         t2 = time.perf_counter()
-        mask = torch.zeros(B, P + R - 1)
-        mask[:, P - 1:] = 1
-        batch = dict(tokens=seqs, loss_mask=mask, advantages=torch.randn(B, 1).expand(B, P + R - 1).contiguous(),
-                     old_log_probs=torch.zeros(B, P + R - 1))
+        batch.update(advantages=torch.randn(B, 1).expand(B, R).contiguous(), old_log_probs=torch.zeros(B, R))
         actor.update(batch)
         sync()
         t3 = time.perf_counter()

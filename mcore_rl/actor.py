@@ -1,7 +1,11 @@
-"""The Megatron actor: one process per GPU (gloo process on CPU) holding a shard of the policy.
+"""The Megatron actor: one process per GPU (gloo process on CPU) holding a shard of the policy,
+and, colocated in the same process like verl's default, the frozen reference policy and the critic.
 
 Ranks of one group run every method together (the model's collectives span them); each rank
 works on its data-parallel slice of a batch and the results are gathered by the driver.
+Micro-batches are packed without padding (mcore_rl.batching); every rank runs the same number
+of micro-batches of the same packed length, because MoE token dispatch and TP/SP collectives
+need the ranks in lockstep.
 """
 
 from __future__ import annotations
@@ -12,19 +16,31 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mcore_rl import batching as mb
 
-def _seq_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
-    """Log-probs of tokens[:, 1:] under logits[:, :-1], and per-position entropy."""
-    logits = logits[:, :-1].float() / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+
+def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, with_entropy: bool = False):
+    """Log-probs [mb, R] of the response tokens (and their entropies) from packed logits [T, V].
+
+    Only the positions that predict response tokens are normalised over the vocabulary.
+    """
+    valid = packed.valid
+    sel = logits[packed.predictor[valid]].float() / temperature
+    logp_all = F.log_softmax(sel, dim=-1)
+    logp = torch.zeros(valid.shape, dtype=logp_all.dtype, device=sel.device)
+    logp = logp.masked_scatter(valid, logp_all.gather(-1, packed.target[valid][:, None]).squeeze(-1))
+    if not with_entropy:
+        return logp, None
+    ent = torch.zeros(valid.shape, dtype=logp_all.dtype, device=sel.device)
+    return logp, ent.masked_scatter(valid, -(logp_all.exp() * logp_all).sum(-1))
 
 
 class MegatronActor:
-    def __init__(self, rank: int, world: int, master_port: int, hf_dir: str, cfg: dict):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), RANK=str(rank),
+    def __init__(self, rank: int, world: int, master_port: int, hf_dir: str, cfg: dict,
+                 master_addr: str = "127.0.0.1", init: dict | None = None):
+        """init: torch_dist checkpoints to start from, {"policy": dir|None, "critic": dir|None};
+        without one the policy keeps megatron's seeded init and the critic copies the policy."""
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world), TORCHDYNAMO_DISABLE="1")
         from megatron.core import parallel_state as ps
 
@@ -32,119 +48,311 @@ class MegatronActor:
         from mcore_rl.parallel import Layout, init_distributed
 
         torch.set_num_threads(1)
+        init = init or {}
         p = cfg["parallel"]
         self.layout = Layout(tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"])
         init_distributed(self.layout, seed=cfg["trainer"]["seed"])
-        self.rank, self.ps = rank, ps
+        self.rank, self.ps, self.cfg = rank, ps, cfg
         self.hf = HFModel.from_dir(hf_dir)
         self.hf_dir = hf_dir
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["model"]["dtype"]]
-        tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"],
-                                  dtype=dtype)
+        tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"], dtype=dtype)
         self.model = build_model(self.hf, tcfg)
         # batches arrive and results leave on the host; the model's device does the work
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
-        a = cfg["actor"]
-        self.cfg = cfg
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=a["lr"], weight_decay=a["weight_decay"],
-                                     betas=(0.9, 0.999))
+        if init.get("policy"):
+            from mcore_rl.checkpoint import load_model
 
-    # ---- data-parallel slicing -------------------------------------------------------------
+            load_model(self.model, init["policy"])
+        a, alg = cfg["actor"], cfg["algorithm"]
+        self.opt = self._optimizer(self.model, a)
+        self.ref = None
+        if a["use_kl_loss"] or alg["use_kl_in_reward"]:  # a frozen copy of the initial policy
+            self.ref = build_model(self.hf, tcfg).eval().requires_grad_(False)
+            self.ref.load_state_dict(self.model.state_dict())
+        self.critic = None
+        if cfg["critic"]["enabled"]:
+            self._build_critic(cfg, tcfg, init.get("critic"))
+        self.updates = 0
+
+    def _build_critic(self, cfg, tcfg, init_ckpt):
+        from mcore_rl import critic
+        from mcore_rl.models import HFModel, transformer_config
+
+        c, p = cfg["critic"], cfg["parallel"]
+        hf = self.hf
+        if c["hf_path"] and os.path.abspath(c["hf_path"]) != os.path.abspath(self.hf_dir):
+            hf = HFModel.from_dir(c["hf_path"])
+            tcfg = transformer_config(hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"],
+                                      dtype=tcfg.params_dtype)
+        self.critic = critic.build_critic(hf, tcfg)
+        if init_ckpt:
+            critic.load_trunk(self.critic, init_ckpt)
+        else:
+            critic.copy_trunk(self.model, self.critic)
+        self.critic_opt = self._optimizer(self.critic, c)
+
+    @staticmethod
+    def _optimizer(model, section: dict):
+        return torch.optim.AdamW(model.parameters(), lr=section["lr"], weight_decay=section["weight_decay"],
+                                 betas=(0.9, 0.999))
+
+    # ---- lockstep helpers -----------------------------------------------------------------------
     def _dp_slice(self, n: int) -> slice:
         dp, r = self.ps.get_data_parallel_world_size(), self.ps.get_data_parallel_rank()
         per = -(-n // dp)
-        return slice(r * per, min(n, (r + 1) * per))
+        return slice(min(n, r * per), min(n, (r + 1) * per))
 
     def _is_reporter(self) -> bool:
         return self.ps.get_tensor_model_parallel_rank() == 0 and self.ps.is_pipeline_last_stage()
 
-    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        from mcore_rl.models.forward import full_logits
+    def _max_over_ranks(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def _pack(self, d: dict, response_len: int, rows: list[int], pad_to: int) -> mb.Packed:
+        return mb.pack(d["tokens"], d["attention_mask"], response_len, rows, pad_to).to(self.device)
+
+    def _micro_plan(self, lengths: list[int], micro_batch_size: int) -> list[tuple[list[int], int]]:
+        """Micro-batches (sample indices) and the packed length each is padded to, equal on all ranks."""
+        a = self.cfg["actor"]
+        count = 1
+        while True:
+            if a["use_dynamic_bsz"]:
+                bins = mb.balanced_micro_batches(lengths, a["ppo_max_token_len_per_gpu"], count)
+            else:
+                bins = mb.fixed_micro_batches(len(lengths), micro_batch_size, count)
+            hi, neg_lo = self._max_over_ranks([len(bins), -len(bins)])
+            if hi == -neg_lo:
+                break
+            count = hi  # some rank needs more micro-batches: everyone repacks into that many
+        tp = self.layout.tp
+        pads = self._max_over_ranks([sum(lengths[i] for i in b) for b in bins])
+        return list(zip(bins, [-(-t // tp) * tp for t in pads]))  # SP splits the sequence over TP
+
+    def _forward(self, model, packed: mb.Packed) -> torch.Tensor:
+        """Per-position outputs [T, V] (logits gathered over TP) or [T, 1] (critic values)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         if self.layout.pp != 1:
             raise NotImplementedError("pp > 1 training needs megatron's pipeline schedule")
-        return full_logits(self.model, tokens)
+        out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params())
+        if model is not self.critic:
+            out = gather_from_tensor_model_parallel_region(out)
+        return out[0]
+
+    def _local(self, batch: dict, keys) -> dict:
+        sl = self._dp_slice(len(batch["tokens"]))
+        return {k: batch[k][sl] for k in keys if batch.get(k) is not None}
 
     # ---- rollout (the embedded engine runs on the policy's own shards) ---------------------------
     @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, max_new: int, temperature: float, seed: int):
-        """Sample `max_new` tokens for this rank's slice of left-padded `prompts` [B, P]."""
+    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, max_new: int, temperature: float,
+                 seed: int):
+        """Sample `max_new` tokens for this rank's slice of left-padded `prompts` [B, P].
+
+        Returns (tokens [b, P + max_new], log-probs of the sampled tokens [b, max_new]) as the
+        engine sampled them: the rollout log-probs of truncated importance sampling.
+        """
         self.model.eval()
-        tokens = prompts[self._dp_slice(len(prompts))].to(self.device)
+        sl = self._dp_slice(len(prompts))
+        tokens, attn = prompts[sl], prompt_mask[sl]
         gen = torch.Generator(self.device).manual_seed(seed + self.ps.get_data_parallel_rank())
+        rows, logps = list(range(len(tokens))), []
         for _ in range(max_new):
-            logits = self._logits(tokens)[:, -1].float() / temperature
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+            pad_to = self._max_over_ranks([int(attn.sum())])[0]
+            packed = self._pack({"tokens": tokens, "attention_mask": attn}, 0, rows,
+                                -(-pad_to // self.layout.tp) * self.layout.tp)
+            logp_all = F.log_softmax(self._forward(self.model, packed)[packed.last].float() / temperature, -1)
+            nxt = torch.multinomial(logp_all.exp(), 1, generator=gen) if rows else \
+                torch.zeros(0, 1, dtype=torch.long, device=self.device)
             # every TP rank must append the same token: take TP rank 0's choice
             dist.broadcast(nxt, self.ps.get_tensor_model_parallel_src_rank(),
                            group=self.ps.get_tensor_model_parallel_group())
-            tokens = torch.cat([tokens, nxt], dim=1)
-        return tokens.cpu() if self._is_reporter() else None
+            logps.append(logp_all.gather(-1, nxt).cpu())
+            nxt = nxt.cpu()
+            tokens, attn = torch.cat([tokens, nxt], 1), torch.cat([attn, torch.ones_like(nxt)], 1)
+        return (tokens, torch.cat(logps, 1)) if self._is_reporter() else None
 
+    # ---- per-token outputs of the policy, the reference and the critic ---------------------------
     @torch.no_grad()
-    def log_probs(self, tokens: torch.Tensor):
-        self.model.eval()
-        tokens = tokens[self._dp_slice(len(tokens))].to(self.device)
-        logp, _ = _seq_logprobs(self._logits(tokens), tokens)
-        return logp.cpu() if self._is_reporter() else None
-
-    # ---- update ----------------------------------------------------------------------------------
-    def update(self, batch: dict) -> dict | None:
-        from mcore_rl.algos.losses import policy_loss
-
-        a = self.cfg["actor"]
-        self.model.train()
-        sl = self._dp_slice(len(batch["tokens"]))
-        batch = {k: v[sl].to(self.device) for k, v in batch.items()}
-        tokens, mask = batch["tokens"], batch["loss_mask"]
-        adv, old = batch["advantages"], batch["old_log_probs"]
-        logp, entropy = _seq_logprobs(self._logits(tokens), tokens)
-        pg_loss, pg = policy_loss(old, logp, adv, mask, clip_ratio_low=a["clip_ratio_low"],
-                                  clip_ratio_high=a["clip_ratio_high"], clip_ratio_c=a["clip_ratio_c"],
-                                  loss_agg_mode=a["loss_agg_mode"])
-        ent = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        loss = pg_loss - a["entropy_coeff"] * ent
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self._reduce_grads()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a["grad_clip"])
-        self.opt.step()
-        out = {"actor/pg_loss": loss.item(), "actor/entropy": ent.item(),
-               "actor/grad_norm": float(gnorm), **{k: float(v) for k, v in pg.items()}}
+    def _per_response_token(self, model, batch: dict, values: bool) -> torch.Tensor | None:
+        model.eval()
+        d = self._local(batch, ("tokens", "attention_mask", "response_mask"))
+        R = d["response_mask"].shape[1]
+        out = torch.zeros(len(d["tokens"]), R)
+        temperature = self.cfg["rollout"]["temperature"]
+        for rows, pad_to in self._micro_plan(mb.sample_lengths(d["attention_mask"]),
+                                             self.cfg["actor"]["micro_batch_size"]):
+            packed = self._pack(d, R, rows, pad_to)
+            y = self._forward(model, packed)
+            if rows:
+                out[rows] = (packed.at_responses(y[:, 0].float()) if values
+                             else token_logprobs(y, packed, temperature)[0]).cpu()
         return out if self._is_reporter() else None
 
-    def _reduce_grads(self):
-        """Average grads over data-parallel replicas: dense params over DP, experts over expert-DP,
-        and sequence-parallel norm weights over TP (each TP rank saw part of the sequence)."""
+    def log_probs(self, batch: dict):
+        return self._per_response_token(self.model, batch, values=False)
+
+    def ref_log_probs(self, batch: dict):
+        return self._per_response_token(self.ref, batch, values=False)
+
+    def values(self, batch: dict):
+        return self._per_response_token(self.critic, batch, values=True)
+
+    # ---- updates ---------------------------------------------------------------------------------
+    def update(self, batch: dict) -> dict | None:
+        """PPO epochs over mini-batches of the policy; returns averaged metrics."""
+        a = self.cfg["actor"]
+        keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
+                "rollout_log_probs")
+        out = self._epochs(self.model, self.opt, self._local(batch, keys), self._policy_loss, a["ppo_epochs"],
+                           a["micro_batch_size"], a["grad_clip"], warmup=a["lr_warmup_steps"], base_lr=a["lr"])
+        if self.ref is not None and a["use_kl_loss"]:
+            out["actor/kl_coef"] = a["kl_loss_coef"]
+        return out if self._is_reporter() else None
+
+    def update_critic(self, batch: dict) -> dict | None:
+        c = self.cfg["critic"]
+        keys = ("tokens", "attention_mask", "response_mask", "values", "returns")
+        out = self._epochs(self.critic, self.critic_opt, self._local(batch, keys), self._value_loss,
+                           c["ppo_epochs"], c["micro_batch_size"], c["grad_clip"])
+        return {k.replace("actor/", "critic/"): v for k, v in out.items()} if self._is_reporter() else None
+
+    def _epochs(self, model, opt, d: dict, loss_fn, epochs: int, micro_batch_size: int, grad_clip: float,
+                warmup: int = 0, base_lr: float | None = None) -> dict:
+        dp = self.ps.get_data_parallel_world_size()
+        mini = self.cfg["actor"]["ppo_mini_batch_size"] * self.cfg["rollout"]["n"] // dp
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(epochs):
+            for chunk in mb.mini_batches(len(d["tokens"]), mini):
+                if warmup:  # linear warmup over optimizer steps
+                    for g in opt.param_groups:
+                        g["lr"] = base_lr * min(1.0, (self.updates + 1) / warmup)
+                stats = self._optimizer_step(model, opt, {k: v[chunk.start:chunk.stop] for k, v in d.items()},
+                                             loss_fn, micro_batch_size, grad_clip)
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                steps += 1
+                self.updates += model is self.model
+        out = {k: v / max(steps, 1) for k, v in totals.items()}
+        out["actor/lr"] = opt.param_groups[0]["lr"]
+        return out
+
+    def _optimizer_step(self, model, opt, d: dict, loss_fn, micro_batch_size: int, grad_clip: float) -> dict:
+        """One optimizer step on a mini-batch, accumulating grads over its micro-batches.
+
+        Losses are normalised by the mini-batch's global token (or sequence) count over all DP
+        ranks, so the accumulated, DP-averaged gradient is exactly that of the whole mini-batch.
+        """
+        model.train()
+        mask = d["response_mask"]
+        counts = torch.tensor([mask.sum(), (mask.sum(1) > 0).sum()], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts, group=self.ps.get_data_parallel_group())
+        agg = dict(global_num_tokens=counts[0].item(), global_num_seqs=counts[1].item(),
+                   dp_size=self.ps.get_data_parallel_world_size())
+        local_tokens = max(float(mask.sum()), 1.0)
+        opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        means: dict[str, float] = {}
+        R = mask.shape[1]
+        for rows, pad_to in self._micro_plan(mb.sample_lengths(d["attention_mask"]), micro_batch_size):
+            packed = self._pack(d, R, rows, pad_to)
+            out = self._forward(model, packed)
+            micro = {k: v[rows].to(self.device) for k, v in d.items()}
+            loss, loss_stats, mean_stats = loss_fn(out, packed, micro, agg)
+            # the zero term keeps every rank's backward (and its collectives) going on empty micro-batches
+            (loss + 0.0 * out.sum()).backward()
+            share = float(micro["response_mask"].sum()) / local_tokens
+            for k, v in loss_stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            for k, v in mean_stats.items():
+                means[k] = means.get(k, 0.0) + share * float(v)
+        self._reduce_grads(model)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        return {**sums, **means, "actor/grad_norm": float(gnorm)}
+
+    def _policy_loss(self, logits, packed, d, agg):
+        from mcore_rl.algos.losses import agg_loss, kl_loss, policy_loss
+        from mcore_rl.algos.utils import masked_mean
+
+        a = self.cfg["actor"]
+        mode = a["loss_agg_mode"]
+        logp, ent = token_logprobs(logits, packed, self.cfg["rollout"]["temperature"], with_entropy=True)
+        mask = d["response_mask"]
+        tis = dict(rollout_log_prob=d["rollout_log_probs"], tis_imp_ratio_cap=a["tis_imp_ratio_cap"]) \
+            if a["tis_imp_ratio_cap"] and "rollout_log_probs" in d else {}
+        pg_loss, pg = policy_loss(d["old_log_probs"], logp, d["advantages"], mask,
+                                  clip_ratio_low=a["clip_ratio_low"], clip_ratio_high=a["clip_ratio_high"],
+                                  clip_ratio_c=a["clip_ratio_c"], loss_agg_mode=mode, **tis, **agg)
+        loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}
+        if a["entropy_coeff"]:
+            loss = loss - a["entropy_coeff"] * agg_loss(ent, mask, mode, **agg)
+        if a["use_kl_loss"]:
+            kl = kl_loss(logp, d["ref_log_probs"], mask, a["kl_loss_type"], mode, **agg)
+            loss = loss + a["kl_loss_coef"] * kl
+            sums["actor/kl_loss"] = kl.detach()
+        return loss, sums, {**pg, "actor/entropy": masked_mean(ent.detach(), mask)}
+
+    def _value_loss(self, values, packed, d, agg):
+        from mcore_rl.algos.losses import value_loss
+        from mcore_rl.algos.utils import masked_mean
+
+        vpreds = packed.at_responses(values[:, 0].float())
+        mask = d["response_mask"]
+        loss, clipfrac = value_loss(vpreds, d["returns"], d["values"], mask,
+                                    cliprange_value=self.cfg["critic"]["cliprange_value"], **agg)
+        return loss, {"critic/vf_loss": loss.detach()}, {"critic/vf_clipfrac": clipfrac,
+                                                          "critic/vpred_mean": masked_mean(vpreds.detach(), mask)}
+
+    def _reduce_grads(self, model):
+        """Average grads over data-parallel replicas, as megatron's DDP does: dense params over DP;
+        experts summed over expert-DP and divided by the DP size (each expert already received the
+        grads of every token routed to it from its EP group); sequence-parallel params (norms,
+        value head) summed over TP first, as each TP rank saw part of the sequence."""
         ps = self.ps
-        groups = {True: (ps.get_data_parallel_group(), ps.get_data_parallel_world_size()),
-                  False: (ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_world_size())}
-        for p in self.model.parameters():
+        dp = ps.get_data_parallel_world_size()
+        for p in model.parameters():
             if p.grad is None:
                 continue
             if getattr(p, "sequence_parallel", False) and self.layout.tp > 1:
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-            group, size = groups[getattr(p, "allreduce", True)]
-            if size > 1:
+            dense = getattr(p, "allreduce", True)
+            group = ps.get_data_parallel_group() if dense else ps.get_expert_data_parallel_group()
+            if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
-                p.grad /= size
+            if dp > 1:
+                p.grad /= dp
 
     # ---- checkpoints -----------------------------------------------------------------------------
+    def _parts(self):
+        parts = [("model", self.model, self.opt)]
+        if self.critic is not None:
+            parts.append(("critic", self.critic, self.critic_opt))
+        return parts
+
     def save(self, step_dir: str):
-        """Model (torch_dist, any layout can load it) and this rank's optimizer state."""
+        """Models (torch_dist, any layout can load them) and this rank's optimizer states."""
         from mcore_rl.checkpoint import save_model
 
-        save_model(self.model, os.path.join(step_dir, "model"), side_files_from=None)
         os.makedirs(os.path.join(step_dir, "optim"), exist_ok=True)
-        torch.save(self.opt.state_dict(), os.path.join(step_dir, "optim", f"rank{dist.get_rank()}.pt"))
+        for name, model, opt in self._parts():
+            save_model(model, os.path.join(step_dir, name), side_files_from=None)
+            suffix = "" if name == "model" else f"_{name}"
+            torch.save(opt.state_dict(), os.path.join(step_dir, "optim", f"rank{dist.get_rank()}{suffix}.pt"))
         dist.barrier()
 
     def load(self, step_dir: str):
         from mcore_rl.checkpoint import load_model
 
-        load_model(self.model, os.path.join(step_dir, "model"))
-        optim = os.path.join(step_dir, "optim", f"rank{dist.get_rank()}.pt")
-        if os.path.exists(optim):  # absent when starting from a converted HF model
-            self.opt.load_state_dict(torch.load(optim, weights_only=True))
+        for name, model, opt in self._parts():
+            load_model(model, os.path.join(step_dir, name))
+            suffix = "" if name == "model" else f"_{name}"
+            optim = os.path.join(step_dir, "optim", f"rank{dist.get_rank()}{suffix}.pt")
+            if os.path.exists(optim):  # absent when starting from a converted HF model
+                opt.load_state_dict(torch.load(optim, weights_only=True))
         dist.barrier()

@@ -47,7 +47,7 @@ def latest_checkpoint(ckpt_root: str) -> tuple[int, str] | None:
 class ActorGroup:
     """N Megatron actors on a Ray placement group; calls fan out and the results are gathered."""
 
-    def __init__(self, cfg: C.Config, hf_dir: str):
+    def __init__(self, cfg: C.Config, hf_dir: str, init: dict | None = None):
         import ray
         from ray.util.placement_group import placement_group
 
@@ -64,7 +64,7 @@ class ActorGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.actors = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=i)).remote(i, n, port, hf_dir, d)
+            placement_group=self.pg, placement_group_bundle_index=i)).remote(i, n, port, hf_dir, d, init=init)
             for i in range(n)]
         self.ray = ray
 
@@ -74,88 +74,100 @@ class ActorGroup:
         return [o for o in out if o is not None]
 
 
-def _pad_left(seqs: list[list[int]], pad: int) -> torch.Tensor:
-    width = max(map(len, seqs))
-    return torch.tensor([[pad] * (width - len(s)) + list(s) for s in seqs])
-
-
-def _response_mask(resp: torch.Tensor, eos: int | None) -> torch.Tensor:
-    """1 up to and including the first EOS."""
-    if eos is None:
-        return torch.ones_like(resp, dtype=torch.float32)
-    after = (resp == eos).int().cumsum(1) - (resp == eos).int()
-    return (after == 0).float()
-
-
-def rl_step(cfg: C.Config, group: ActorGroup, task, prompt_idx: list[int], step: int) -> dict:
-    from mcore_rl.algos.advantages import compute_advantage
+def rl_step(cfg: C.Config, group: ActorGroup, source, prompt_idx: list[int], step: int, kl_ctrl=None) -> dict:
+    from mcore_rl import ppo
 
     t0, times = time.perf_counter(), {}
-    n, tok = cfg.rollout.n, task.tokenizer
-    idx = [i for i in prompt_idx for _ in range(n)]
-    prompts = _pad_left([task.prompts[i] for i in idx], tok.pad_token_id)
-    seqs = torch.cat(group.call("generate", prompts, cfg.rollout.max_response_len,
-                                cfg.rollout.temperature, cfg.trainer.seed * 100003 + step))
+
+    def timed(name, method, *args):
+        t = time.perf_counter()
+        out = group.call(method, *args)
+        times[f"timing/{name}"] = times.get(f"timing/{name}", 0.0) + time.perf_counter() - t
+        return out
+
+    idx = [i for i in prompt_idx for _ in range(cfg.rollout.n)]
+    batch = ppo.rollout(group, source, idx, cfg.rollout.max_response_len, cfg.rollout.temperature,
+                        cfg.trainer.seed * 100003 + step)
     times["timing/rollout"] = time.perf_counter() - t0
-    P = prompts.shape[1]
-    resp = seqs[:, P:]
-    mask = _response_mask(resp, getattr(tok, "eos_token_id", None))
-    scores = torch.tensor(task.rewards(idx, resp.tolist()))
-    rewards = torch.zeros_like(mask)
-    last = (mask.sum(1) - 1).clamp(min=0).long()
-    rewards[torch.arange(len(idx)), last] = scores  # outcome reward on the last response token
-    adv, _ = compute_advantage(cfg.algorithm.adv_estimator, rewards, mask,
-                               index=torch.tensor(idx), gamma=cfg.algorithm.gamma,
-                               norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo)
-    t1 = time.perf_counter()
-    old = torch.cat(group.call("log_probs", seqs))[:, P - 1:]
-    times["timing/old_log_prob"] = time.perf_counter() - t1
-    # the loss covers response tokens only: positions P-1.. of the shifted log-probs
-    full_mask = torch.zeros(len(idx), seqs.shape[1] - 1)
-    full_mask[:, P - 1:] = mask
-    pad = lambda x: torch.cat([torch.zeros(len(idx), P - 1), x], 1)  # noqa: E731
-    t2 = time.perf_counter()
-    stats = group.call("update", dict(tokens=seqs, loss_mask=full_mask, advantages=pad(adv),
-                                      old_log_probs=pad(old)))
-    times["timing/update"] = time.perf_counter() - t2
+    score = ppo.scores(source, idx, batch)
+    batch["old_log_probs"] = torch.cat(timed("old_log_prob", "log_probs", batch))
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
+    if cfg.critic.enabled:
+        batch["values"] = torch.cat(timed("values", "values", batch))
+    metrics = ppo.advantages(cfg, batch, score, idx, kl_ctrl)
+    if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
+        metrics.update(_mean(timed("update_critic", "update_critic", batch)))
+    metrics.update(_mean(timed("update_actor", "update", batch)))
     times["timing/step"] = time.perf_counter() - t0
-    metrics = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-    metrics.update({"reward/mean": scores.mean().item(), "response/length": mask.sum(1).mean().item(),
+    mask = batch["response_mask"]
+    metrics.update({"reward/mean": score.mean().item(), "response/length": mask.sum(1).mean().item(),
                     "perf/tokens_per_s": mask.sum().item() / times["timing/step"], **times})
     return metrics
 
 
-def validate(cfg, group, task) -> dict:
-    n = len(task.prompts)
-    prompts = _pad_left(task.prompts, task.tokenizer.pad_token_id)
-    seqs = torch.cat(group.call("generate", prompts, cfg.rollout.max_response_len, 1e-4, 0))
-    return {"val/reward": sum(task.rewards(range(n), seqs[:, prompts.shape[1]:].tolist())) / n}
+def _mean(stats: list[dict]) -> dict:
+    return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+
+
+def validate(cfg, group, source) -> dict:
+    from mcore_rl import ppo
+
+    idx = list(range(len(source.prompts)))
+    size = cfg.data.val_batch_size or len(idx)
+    scores = [ppo.scores(source, chunk, ppo.rollout(group, source, chunk, cfg.rollout.max_response_len, 1e-4, 0))
+              for chunk in (idx[s:s + size] for s in range(0, len(idx), size))]
+    return {"val/reward": torch.cat(scores).mean().item()}
+
+
+def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
+    """torch_dist copies of the HF weights the policy (and a critic from another model) start
+    from, converted once per run; none for an embedded config (megatron's seeded init)."""
+    if not cfg.model.hf_path:
+        return {}
+    from converters.convert import hf_to_mcore
+
+    def converted(src: str, name: str) -> str:
+        out = os.path.join(run_dir, "init_mcore", name)
+        if not os.path.exists(os.path.join(out, "metadata.json")):
+            hf_to_mcore(src, out, dtype=cfg.model.dtype)
+        return out
+
+    init = {"policy": converted(hf_dir, "policy")}
+    critic = cfg.critic.hf_path
+    if cfg.critic.enabled and critic and os.path.abspath(critic) != os.path.abspath(hf_dir):
+        init["critic"] = converted(critic, "critic")
+    return init
 
 
 def train(cfg: C.Config) -> dict:
     import ray
 
-    from mcore_rl.data.tasks import make_task
+    from mcore_rl.data.prompts import load_prompt_sources
     from mcore_rl.metrics import MetricsLogger
+    from mcore_rl.ppo import kl_controller
 
     t = cfg.trainer
     run_dir = os.path.abspath(t.output_dir)
     ckpt_root = os.path.join(run_dir, "checkpoints")
     os.makedirs(run_dir, exist_ok=True)
     hf_dir = prepare_model(cfg, run_dir)
-    train_task = make_task(cfg.data.task, cfg.data.task_train_size, seed=t.seed)
-    val_task = make_task(cfg.data.task, cfg.data.task_val_size, seed=t.seed + 1)
+    train_task, val_task = load_prompt_sources(cfg)
+    init = initial_checkpoints(cfg, hf_dir, run_dir)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
             ray.init(log_to_driver=True)
         else:  # a local run: a private Ray on loopback
             ray.init(num_cpus=max(2, C.actor_gpus(cfg)), include_dashboard=False,
                      _node_ip_address="127.0.0.1", log_to_driver=True)
-    group = ActorGroup(cfg, hf_dir)
+    group = ActorGroup(cfg, hf_dir, init)
     start, resumed = 0, latest_checkpoint(ckpt_root) if t.resume == "auto" else None
+    state = {}
     if resumed:
         start = resumed[0]
         group.call("load", resumed[1])
+        with open(os.path.join(resumed[1], "trainer_state.json")) as f:
+            state = json.load(f)
         _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
         print(f"resumed from {resumed[1]} (step {start})", flush=True)
     logger = MetricsLogger(run_dir, t.logger, project=t.project, experiment=t.experiment,
@@ -163,19 +175,19 @@ def train(cfg: C.Config) -> dict:
     B = cfg.data.train_batch_size
     per_epoch = len(train_task.prompts) // B
     total = t.total_training_steps or t.total_epochs * per_epoch
-    if t.val_before_train and start == 0:
+    if t.val_before_train and start == 0 and val_task:
         logger.log(validate(cfg, group, val_task), step=0)
-    metrics = {}
+    metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
     for step in range(start + 1, total + 1):
         order = torch.randperm(len(train_task.prompts),
                                generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
         k = (step - 1) % per_epoch
-        metrics = rl_step(cfg, group, train_task, order[k * B:(k + 1) * B].tolist(), step)
-        if t.test_freq > 0 and step % t.test_freq == 0 or step == total:
+        metrics = rl_step(cfg, group, train_task, order[k * B:(k + 1) * B].tolist(), step, kl_ctrl)
+        if val_task and (t.test_freq > 0 and step % t.test_freq == 0 or step == total):
             metrics.update(validate(cfg, group, val_task))
         logger.log(metrics, step=step)
         if t.save_freq > 0 and step % t.save_freq == 0 or step == total:
-            save_checkpoint(group, ckpt_root, step, hf_dir)
+            save_checkpoint(group, ckpt_root, step, hf_dir, {"kl_coef": kl_ctrl.value} if kl_ctrl else {})
     logger.close()
     from mcore_rl.plot import plot_run
 
@@ -194,7 +206,7 @@ def _truncate_metrics(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def save_checkpoint(group: ActorGroup, ckpt_root: str, step: int, hf_dir: str) -> str:
+def save_checkpoint(group: ActorGroup, ckpt_root: str, step: int, hf_dir: str, state: dict | None = None) -> str:
     """Write into step_N.tmp and rename when every rank is done: a crash leaves no step_N."""
     final = os.path.join(ckpt_root, f"step_{step}")
     tmp = final + ".tmp"
@@ -204,7 +216,7 @@ def save_checkpoint(group: ActorGroup, ckpt_root: str, step: int, hf_dir: str) -
     shutil.copytree(hf_dir, os.path.join(tmp, "model", "hf"),
                     ignore=shutil.ignore_patterns("*.safetensors", "*.json.tmp"))
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-        json.dump({"step": step}, f)
+        json.dump({"step": step, **(state or {})}, f)
     os.replace(tmp, final)
     return final
 

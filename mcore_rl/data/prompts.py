@@ -1,0 +1,62 @@
+"""What the RL loop samples prompts from: verl parquet files (data.train_files / val_files) scored
+by the rule reward of each row's data_source, or an embedded generated task (data.task).
+
+Both expose `prompts` (token ids), `tokenizer` (pad/eos ids) and `rewards(indices, responses)`.
+"""
+
+from __future__ import annotations
+
+from mcore_rl.data.dataset import PromptDataset
+from mcore_rl.data.tasks import TOKENIZER as TASK_TOKENIZER
+from mcore_rl.data.tasks import make_task
+from mcore_rl.data.tokenizers import ByteTokenizer
+
+
+class DatasetPrompts:
+    """A PromptDataset as a prompt source; responses are decoded and scored by data_source."""
+
+    def __init__(self, dataset: PromptDataset):
+        self.dataset, self.tokenizer = dataset, dataset.tokenizer
+        self.prompts = [item["input_ids"] for item in dataset.items]
+
+    def rewards(self, indices, responses) -> list[float]:
+        from mcore_rl.rewards import compute_score
+
+        out = []
+        for i, resp in zip(indices, responses, strict=True):
+            item = self.dataset[i]
+            text = self.tokenizer.decode(resp, skip_special_tokens=True)
+            out.append(compute_score(item["data_source"], text, item["ground_truth"], item["extra_info"]))
+        return out
+
+
+def load_tokenizer(model) -> object:
+    """The model's HF tokenizer; an embedded (hf_config) model uses the tasks' character tokenizer
+    when its vocabulary is that small, else the byte tokenizer."""
+    path = model.tokenizer_path or model.hf_path
+    if path:
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(path)
+    vocab = (model.hf_config or {}).get("vocab_size", 0)
+    return TASK_TOKENIZER if vocab < ByteTokenizer.vocab_size else ByteTokenizer()
+
+
+def _dataset(files, tokenizer, d) -> DatasetPrompts:
+    ds = PromptDataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                       filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
+    if len(ds) == 0:
+        raise ValueError(f"{files}: no prompts left ({ds.num_filtered} longer than data.max_prompt_length = "
+                         f"{d.max_prompt_length} were filtered out)")
+    if ds.num_filtered:
+        print(f"{files}: filtered {ds.num_filtered} prompts longer than {d.max_prompt_length} tokens", flush=True)
+    return DatasetPrompts(ds)
+
+
+def load_prompt_sources(cfg):
+    """(train, validation or None) for cfg.data; parquet files take precedence over data.task."""
+    d, seed = cfg.data, cfg.trainer.seed
+    if d.train_files:
+        tok = load_tokenizer(cfg.model)
+        return _dataset(d.train_files, tok, d), (_dataset(d.val_files, tok, d) if d.val_files else None)
+    return make_task(d.task, d.task_train_size, seed=seed), make_task(d.task, d.task_val_size, seed=seed + 1)

@@ -1,0 +1,109 @@
+"""Driver-side pieces of one RL step: the rollout batch, rewards (with the optional KL penalty),
+advantages and the data metrics, named like verl's so dashboards line up.
+
+A batch is a dict of tensors over B samples: tokens [B, P + R] (left-padded prompts, then
+responses), attention_mask [B, P + R], and response-aligned [B, R] tensors (response_mask,
+rollout/old/ref log-probs, values, advantages, returns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mcore_rl import config as C
+
+
+def pad_prompts(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, P] and their mask (1 on real tokens)."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def response_mask(resp: torch.Tensor, eos: int | None) -> torch.Tensor:
+    """1 up to and including the first EOS."""
+    if eos is None:
+        return torch.ones_like(resp, dtype=torch.float32)
+    hit = (resp == eos).int()
+    return ((hit.cumsum(1) - hit) == 0).float()
+
+
+def rollout(group, source, idx: list[int], max_new: int, temperature: float, seed: int) -> dict:
+    tok = source.tokenizer
+    prompts, pmask = pad_prompts([source.prompts[i] for i in idx], tok.pad_token_id or 0)
+    outs = group.call("generate", prompts, pmask, max_new, temperature, seed)
+    tokens = torch.cat([o[0] for o in outs])
+    resp_mask = response_mask(tokens[:, prompts.shape[1]:], getattr(tok, "eos_token_id", None))
+    return {"tokens": tokens, "attention_mask": torch.cat([pmask, resp_mask.long()], 1),
+            "response_mask": resp_mask, "rollout_log_probs": torch.cat([o[1] for o in outs])}
+
+
+def scores(source, idx: list[int], batch: dict) -> torch.Tensor:
+    """One outcome score per sample, from its response up to (and including) the first EOS."""
+    R = batch["response_mask"].shape[1]
+    lengths = batch["response_mask"].sum(1).long().tolist()
+    responses = [r[:n] for r, n in zip(batch["tokens"][:, -R:].tolist(), lengths)]
+    return torch.tensor(source.rewards(idx, responses), dtype=torch.float32)
+
+
+def advantages(cfg: C.Config, batch: dict, score: torch.Tensor, idx: list[int], kl_ctrl=None) -> dict:
+    """Token-level rewards (score on the last response token, minus beta * KL when
+    algorithm.use_kl_in_reward) -> batch["advantages"], batch["returns"]; returns metrics."""
+    from mcore_rl.algos.advantages import compute_advantage
+    from mcore_rl.algos.kl import apply_kl_in_reward
+
+    alg, mask = cfg.algorithm, batch["response_mask"]
+    token_scores = torch.zeros_like(mask)
+    last = (mask.sum(1) - 1).clamp(min=0).long()
+    token_scores[torch.arange(len(mask)), last] = score
+    metrics = {}
+    rewards = token_scores
+    if alg.use_kl_in_reward:
+        res = apply_kl_in_reward(token_scores, batch["old_log_probs"], batch["ref_log_probs"], mask, kl_ctrl,
+                                 kind=alg.kl_penalty)
+        rewards = res.token_level_rewards
+        metrics.update({"critic/kl": res.mean_kl, "critic/kl_coeff": res.kl_coef})
+    adv, ret = compute_advantage(alg.adv_estimator, rewards, mask, index=torch.tensor(idx), values=batch.get("values"),
+                                 gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+    batch.update(advantages=adv, returns=ret)
+    return {**metrics, **data_metrics(batch, score, rewards)}
+
+
+def _masked_stats(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict:
+    vals = x[mask.bool()]
+    if vals.numel() == 0:
+        return {}
+    return {f"{name}/mean": vals.mean().item(), f"{name}/max": vals.max().item(), f"{name}/min": vals.min().item()}
+
+
+def data_metrics(batch: dict, score: torch.Tensor, rewards: torch.Tensor) -> dict:
+    mask = batch["response_mask"]
+    out = {"critic/score/mean": score.mean().item(), "critic/rewards/mean": rewards.sum(1).mean().item(),
+           **_masked_stats("critic/advantages", batch["advantages"], mask),
+           **_masked_stats("critic/returns", batch["returns"], mask)}
+    if batch.get("values") is not None:
+        out.update(_masked_stats("critic/values", batch["values"], mask))
+        ret, val = batch["returns"][mask.bool()], batch["values"][mask.bool()]
+        out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-5)).item()
+    if batch.get("rollout_log_probs") is not None and batch.get("old_log_probs") is not None:
+        diff = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask.bool()]
+        out["rollout/logp_diff_abs_mean"] = diff.abs().mean().item()  # trainer vs engine mismatch
+    return out
+
+
+def kl_controller(cfg: C.Config, coef: float | None = None):
+    """algorithm.kl_ctrl's controller, continuing from a checkpointed coefficient when given."""
+    from mcore_rl.algos.kl import make_kl_controller
+
+    if not cfg.algorithm.use_kl_in_reward:
+        return None
+    ctrl = make_kl_controller(**dataclasses.asdict(cfg.algorithm.kl_ctrl))
+    if coef is not None:
+        ctrl.value = coef
+    return ctrl
