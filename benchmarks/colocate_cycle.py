@@ -64,8 +64,13 @@ def parent(args) -> int:
     if args.cpu:
         capacity = 64 * MiB if args.tiny else 24 * GiB  # nominal: no GPU to read
     else:
-        from mcore_rl.memory.gpus import plan_capacity
-        capacity = plan_capacity(None)[0]
+        from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
+        try:
+            capacity = plan_capacity(None)[0]
+        except GpuSelectionError:  # no NVML: ask CUDA from a child, keeping this process context-free
+            import subprocess
+            capacity = int(subprocess.check_output(
+                [sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info()[0])"]).decode())
     plan = plan_for(args, hf_cfg, capacity)
     print(plan.table(), flush=True)
     hf = HFModel.from_dict(hf_cfg)
