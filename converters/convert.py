@@ -75,12 +75,15 @@ def _write_config(hf: HFModel, dst: str):
 
 
 def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: str | None = None,
-                max_shard_bytes: int = 5 * 2**30) -> str:
+                max_shard_bytes: int = 5 * 2**30, files: dict[str, str] | None = None,
+                check=None) -> str:
+    """`files` locates data files spread over several directories (see TorchDistReader);
+    `check(tmp_dir)` runs on the finished output before it is renamed into place."""
     side = hf_config or os.path.join(ckpt_dir, HF_DIR)
     if not os.path.exists(os.path.join(side, "config.json")):
         raise CheckpointError(f"no HF config.json in {side}; pass --hf-config DIR")
     hf = HFModel.from_dir(side)
-    reader = TorchDistReader(ckpt_dir, hf)
+    reader = TorchDistReader(ckpt_dir, hf, files)
     cast = DTYPES[dtype] if dtype else None
     total = sum(reader.metadata.state_dict_metadata[k].size.numel() for e in reader.entries.values()
                 for k in e.keys)
@@ -93,6 +96,8 @@ def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: st
         writer.close()
         copy_side_files(side, tmp)
         _write_config(hf, tmp)
+        if check is not None:
+            check(tmp)
     return out
 
 

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from converters.mappings import Param, mapping_for
 from mcore_rl.models.config import HFModel
@@ -128,7 +129,9 @@ def write_torch_dist(hf: HFModel, produce: Callable[[Param], torch.Tensor], out:
 class TorchDistReader:
     """Read whole parameters from a torch_dist checkpoint written at any TP/PP/EP layout."""
 
-    def __init__(self, ckpt: str, hf: HFModel):
+    def __init__(self, ckpt: str, hf: HFModel, files: dict[str, str] | None = None):
+        """`files`: data file name -> directory, for a checkpoint spread over several nodes'
+        directories (`ckpt` then is the one holding metadata.json and .metadata)."""
         from megatron.core.dist_checkpointing.core import maybe_load_config
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -137,6 +140,8 @@ class TorchDistReader:
             raise FileNotFoundError(f"{ckpt}: not a megatron torch_dist checkpoint (metadata.json)")
         self.ckpt, self.hf = ckpt, hf
         self.reader = FileSystemReader(ckpt)
+        if files:
+            self.reader.fs = _SpreadFileSystem(files)
         self.metadata = self.reader.read_metadata()
         # DCP's load() re-reads .metadata on every call; parse it once
         self.reader.read_metadata = lambda *a, **kw: self.metadata
@@ -179,6 +184,17 @@ class TorchDistReader:
                 batch, size = [], 0
         if batch:
             yield from flush()
+
+
+class _SpreadFileSystem(FileSystem):
+    """Resolve each checkpoint file in the directory that holds it (one directory per node)."""
+
+    def __init__(self, files: dict[str, str]):
+        super().__init__()
+        self.files = files
+
+    def concat_path(self, path, suffix):
+        return super().concat_path(self.files.get(str(suffix), path), suffix)
 
 
 def _nbytes(md) -> int:
