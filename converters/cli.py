@@ -8,6 +8,7 @@ import sys
 import time
 
 from converters.hf_io import CheckpointError
+from converters.merge.validate import ValidationFailed
 from mcore_rl.models.config import LayoutError, UnsupportedModelError
 
 
@@ -26,7 +27,35 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-config", help="directory with config.json/tokenizer (default: CKPT/hf)")
     b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast on export")
     b.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors shard")
+    _merge_parser(sub)
     return p
+
+
+def _merge_parser(sub):
+    m = sub.add_parser("merge", help="sharded training checkpoint (verl FSDP / megatron) -> HF")
+    m.add_argument("--backend", required=True, choices=["fsdp", "megatron"])
+    m.add_argument("--local-dir", "--local_dir", dest="local_dir", nargs="+", default=[],
+                   metavar="DIR", help="checkpoint directories, one per node")
+    m.add_argument("--manifest", help="fsdp: JSON {\"ranks\": {\"0\": \"path\", ...}} instead of --local-dir")
+    m.add_argument("--target-dir", "--target_dir", dest="target_dir", required=True,
+                   help="output HF directory (must not exist)")
+    m.add_argument("--hf-config", help="config/tokenizer dir (default: huggingface/ or hf/ in a local dir)")
+    m.add_argument("--validate", metavar="REF_DIR", help="compare every tensor with this HF model")
+    m.add_argument("--atol", type=float, default=0.0, help="--validate tolerance (default bit-exact)")
+    m.add_argument("--rtol", type=float, default=0.0)
+    m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors on export")
+    m.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors shard")
+    m.add_argument("--lora-alpha", type=float, help="LoRA alpha when no lora_train_meta.json is kept")
+
+
+def _merge(args) -> None:
+    from converters.merge import merge
+
+    if not args.local_dir and not args.manifest:
+        raise CheckpointError("give --local-dir DIR [DIR ...] or --manifest FILE")
+    merge(args.backend, args.local_dir, args.target_dir, args.manifest, hf_config=args.hf_config,
+          dtype=args.dtype, max_shard_bytes=int(args.max_shard_size * 2**30), validate=args.validate,
+          atol=args.atol, rtol=args.rtol, lora_alpha=args.lora_alpha)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,11 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "hf-to-mcore":
             convert.hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.etp, args.dtype)
+        elif args.cmd == "merge":
+            _merge(args)
+            args.out = args.target_dir
         else:
             convert.mcore_to_hf(args.ckpt, args.out, args.hf_config, args.dtype,
                                 int(args.max_shard_size * 2**30))
     except (CheckpointError, LayoutError, UnsupportedModelError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ValidationFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out} in {time.perf_counter() - t0:.1f}s")
     return 0
