@@ -36,7 +36,7 @@ def merge_fsdp(dirs: list[str], out: str, manifest: str | None = None, hf_config
     ck = FSDPCheckpoint(dirs, manifest, hf_config)
     check = checker(validate, atol, rtol)
     cast = DTYPES[dtype] if dtype else None
-    groups = ck.rules.groups(ck.base)
+    groups = ck.rules.groups(ck.base, ck.meta)
     plan = [Planned(n, tuple(t.shape), _cast(t, cast).dtype)
             for g in groups for n, t in ck.rules.to_disk(ck.meta(g)).items()]
     adapter = None

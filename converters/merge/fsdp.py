@@ -189,7 +189,7 @@ def assemble(src: Source) -> torch.Tensor:
     for f, t in src.pieces:
         n = t.shape[src.dim]
         if n:
-            out.narrow(src.dim, at, n).copy_(f.read(t))
+            f.read(t, into=out.narrow(src.dim, at, n))
         at += n
     return out
 

@@ -52,19 +52,33 @@ class HFSaveRules:
             raise CheckpointError(f"{source}: {k} has shape {got}, the model of "
                                   f"{self.config_dir}/config.json needs {want}")
 
-    def groups(self, names: Iterable[str]) -> list[list[str]]:
-        """Saved names grouped by layer (conversions never cross layers), in file order."""
+    def groups(self, names: Iterable[str], meta) -> list[list[str]]:
+        """Saved names in file order, grouped so that each group converts on its own: one name
+        per group where converting names one at a time gives what converting their layer does
+        (planned on meta tensors from `meta(names)`), else the whole layer (conversions never
+        cross layers). Small groups keep peak memory at one tensor, not one layer."""
         from transformers.core_model_loading import dot_natural_key
 
-        out: dict[str, list[str]] = {}
+        layers: dict[str, list[str]] = {}
         saved = set(self.saved)
         for n in sorted((n for n in names if n in saved), key=dot_natural_key):
             m = _LAYER.match(n)
-            out.setdefault(m.group(1) if m else n, []).append(n)
-        return list(out.values())
+            layers.setdefault(m.group(1) if m else n, []).append(n)
+        out = []
+        for group in layers.values():
+            together = _signature(self.to_disk(meta(group)))
+            alone: dict = {}
+            for n in group:
+                alone.update(_signature(self.to_disk(meta([n]))))
+            out += [[n] for n in group] if alone == together else [group]
+        return out
 
     def to_disk(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """In-memory names and tensors -> the names and tensors `save_pretrained` writes."""
         from transformers.core_model_loading import revert_weight_conversion
 
         return revert_weight_conversion(self.model, tensors)
+
+
+def _signature(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    return {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}

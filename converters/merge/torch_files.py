@@ -75,17 +75,22 @@ class TorchFile:
             raise CheckpointError(f"{self.path}: truncated: {name} needs bytes up to {end}, "
                                   f"file has {self.size}")
 
-    def read(self, t: torch.Tensor) -> torch.Tensor:
-        """The real contents of meta tensor `t` (which must come from this file's `state`)."""
+    def read(self, t: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The real contents of meta tensor `t` (which must come from this file's `state`),
+        read straight into `into` when both are contiguous (no temporary buffer)."""
         lo, hi = _extent(t)
         item = t.element_size()
-        buf = torch.empty((hi - lo) * item, dtype=torch.uint8)
+        direct = into is not None and t.is_contiguous() and into.is_contiguous()
+        buf = into.reshape(-1).view(torch.uint8) if direct else torch.empty((hi - lo) * item, dtype=torch.uint8)
         if self._fh is None:
             self._fh = open(self.path, "rb")
         self._fh.seek(t.untyped_storage()._checkpoint_offset + lo * item)
         if buf.numel() and self._fh.readinto(memoryview(buf.numpy())) != buf.numel():
             raise CheckpointError(f"{self.path}: truncated while reading")
-        return buf.view(t.dtype).as_strided(t.shape, t.stride())
+        if direct:
+            return into
+        out = buf.view(t.dtype).as_strided(t.shape, t.stride())
+        return out if into is None else into.copy_(out)
 
     def close(self):
         if self._fh is not None:
