@@ -205,8 +205,9 @@ def test_parquet_data_with_kl_tis_and_rloo(tmp_path):
     write_rows(str(tmp_path / "train.parquet"), rows[:48] + [long])
     write_rows(str(tmp_path / "val.parquet"), rows[48:])
     out = str(tmp_path / "run")
-    recs, log = _train(out, "configs/tiny_cpu.yaml", "data.task=null", "data.max_prompt_length=8", f"data.train_files=[{tmp_path}/train.parquet]",
-                       f"data.val_files=[{tmp_path}/val.parquet]", "data.train_batch_size=8",
+    recs, log = _train(out, "configs/tiny_ppo_cpu.yaml", "critic.enabled=false", "data.task=null",
+                       f"data.train_files=[{tmp_path}/train.parquet]", f"data.val_files=[{tmp_path}/val.parquet]",
+                       "data.train_batch_size=8",
                        "actor.ppo_mini_batch_size=4", "rollout.n=4", "algorithm.adv_estimator=rloo",
                        "actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
                        "algorithm.kl_ctrl.horizon=10", "actor.tis_imp_ratio_cap=2.0", "actor.use_dynamic_bsz=true",
