@@ -7,6 +7,7 @@ before a model is built (`mcore_rl.models.build_model` calls it).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import types
@@ -43,13 +44,24 @@ class _CpuCuda:
         return None  # nothing to wait for on the CPU
 
 
+_FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange"})
+
+
+def _on_cpu(factory, *args, device=None, **kwargs):
+    if device == "cuda" or getattr(device, "type", None) == "cuda":
+        device = "cpu"
+    return factory(*args, device=device, **kwargs)
+
+
 class _CpuTorch(types.ModuleType):
-    """`torch` as seen by a patched megatron module: everything but `cuda` is the real torch."""
+    """`torch` as seen by a patched megatron module: `cuda` is the CPU and tensor factories given
+    device='cuda' allocate on the CPU; everything else is the real torch."""
 
     cuda = _CpuCuda()
 
     def __getattr__(self, item):
-        return getattr(torch, item)
+        attr = getattr(torch, item)
+        return functools.partial(_on_cpu, attr) if item in _FACTORIES else attr
 
 
 def _redirect_cuda_device(*modules: str) -> Callable[[], None]:
@@ -89,16 +101,33 @@ def _rng_tracker_cpu():
     tensor_parallel.random.model_parallel_cuda_manual_seed = seed
 
 
-def _schedules_cpu():
-    from megatron.core.pipeline_parallel import schedules
+def _optimizer_param_types_cpu():
+    """megatron's optimizers sort parameters (and check grads) by `.type()` names of CUDA tensors
+    ('torch.cuda.FloatTensor'); inside those calls, CPU tensors answer with those names."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
-    schedules.torch = _CpuTorch("torch")
-    real_zeros = torch.zeros
+    real = torch.Tensor.type
 
-    def zeros(*args, device=None, **kwargs):
-        return real_zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+    def cuda_named(t, *args, **kwargs):
+        if args or kwargs or t.is_cuda:
+            return real(t, *args, **kwargs)
+        return real(t).replace("torch.", "torch.cuda.", 1)
 
-    schedules.torch.__dict__["zeros"] = zeros
+    def with_cuda_names(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            before, torch.Tensor.type = torch.Tensor.type, cuda_named
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.Tensor.type = before
+
+        return wrapped
+
+    for cls in (distrib_optimizer.DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
+        cls.__init__ = with_cuda_names(cls.__init__)
+    for module in (clip_grads, optimizer):  # optimizer.py imported the function by name
+        module.clip_grad_by_total_norm_fp32 = with_cuda_names(clip_grads.clip_grad_by_total_norm_fp32)
 
 
 def _tied_embeddings_cpu():
@@ -134,7 +163,8 @@ PATCHES = (
               "transformer.moe.token_dispatcher", "transformer.moe.moe_utils",
               "pipeline_parallel.p2p_communication",
               "distributed.distributed_data_parallel", "distributed.param_and_grad_buffer",
-              "optimizer.optimizer", "optimizer.distrib_optimizer",
+              "optimizer.optimizer", "optimizer.distrib_optimizer", "optimizer.clip_grads",
+              "pipeline_parallel.schedules",
               "dist_checkpointing.strategies.filesystem_async",
               "dist_checkpointing.strategies.state_dict_saver",
           ))), cpu_only=True),
@@ -142,8 +172,8 @@ PATCHES = (
           cpu_only=True),
     Patch("cpu_tied_embeddings", "tied embeddings are moved to CUDA to be all-reduced between the "
           "first and last pipeline stage", _tied_embeddings_cpu, cpu_only=True),
-    Patch("cpu_schedules", "pipeline schedules allocate loss buffers with device='cuda'",
-          _schedules_cpu, cpu_only=True),
+    Patch("cpu_optimizer_param_types", "megatron's (distributed) optimizer accepts only parameters "
+          "whose .type() names a CUDA tensor", _optimizer_param_types_cpu, cpu_only=True),
 )
 
 _applied: set[str] = set()

@@ -498,6 +498,11 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
             errors.append(f"rollout.ep_size = {r.ep_size} must divide the model's {experts} routed experts")
         if p.tp > 1 and not p.sequence_parallel:
             errors.append("parallel.sequence_parallel must be true for an MoE model with tp > 1")
+        if p.ep == 1 and p.tp > 1 and p.etp != p.tp:
+            # each TP rank routes only its sequence-parallel slice of tokens, and with ep = 1
+            # megatron reduces expert grads like dense ones (not over TP): they would miss slices
+            errors.append(f"parallel.etp = {p.etp} with ep = 1 and tp = {p.tp}: set etp = {p.tp} "
+                          f"(experts split like the dense layers) or ep > 1")
     elif p.ep > 1:
         errors.append(f"parallel.ep = {p.ep} but the model has no routed experts")
 

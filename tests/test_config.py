@@ -92,6 +92,11 @@ def test_model_dimension_checks_from_dict_callable_or_hf_path(tmp_path):
     assert "parallel.tp = 8 must divide the model's num_attention_heads = 12" in msg
     assert "parallel.ep = 3 must divide the model's 64 routed experts" in msg
     assert "sequence_parallel must be true" in msg
+    # ep = 1 with tp > 1: experts must be split over TP too, or their grads miss token slices
+    msg = errors_of(gpu_overrides(8, **{"parallel.tp": 2, "parallel.sequence_parallel": True}), model_info=MOE)
+    assert "parallel.etp = 1 with ep = 1 and tp = 2: set etp = 2" in msg
+    assert load_config(TINY, gpu_overrides(8, **{"parallel.tp": 2, "parallel.etp": 2, "parallel.sequence_parallel":
+                                                 True}), available_gpus=8, model_info=MOE)
     seen = []
     msg = errors_of(gpu_overrides(8, **{"parallel.pp": 8}),
                     model_info=lambda m: seen.append(m.hf_config["model_type"]) or MOE)
