@@ -41,7 +41,8 @@ def build_critic(hf, tcfg):
 
     untied = HFModel.from_dict({**hf.cfg, "tie_word_embeddings": False})
     model = build_model(untied, tcfg)
-    model.output_layer = ValueHead(tcfg.hidden_size, tcfg.sequence_parallel, tcfg.params_dtype)
+    device = next(model.parameters()).device  # build_model has already moved the trunk to its GPU
+    model.output_layer = ValueHead(tcfg.hidden_size, tcfg.sequence_parallel, tcfg.params_dtype).to(device)
     return model
 
 
