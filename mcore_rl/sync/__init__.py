@@ -1,0 +1,37 @@
+"""Megatron -> SGLang weight sync: plan once, then gather, exchange and send bucket by bucket."""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from mcore_rl.sync.gather import LiveShards, assemble
+from mcore_rl.sync.plan import EngineLayout, PlanError, SyncPlan, single_source
+
+
+def sync_weights(plan: SyncPlan, shards: LiveShards, transport, check=None) -> dict:
+    """Push every weight to the engine; `check(plan)` (e.g. a checksum comparison) runs after.
+
+    Call on every trainer rank. Before the first transfer it asserts that the plan's view of this
+    rank matches the model, so a wrong rank order or layout fails here, not as silent garbage.
+    """
+    rank = dist.get_rank()
+    shards.check_holds(rank)
+    t0 = time.perf_counter()
+    parts = plan.for_rank(rank)
+    sent = 0
+    transport.begin()
+    for i, rb in enumerate(parts):
+        named = assemble(rb, shards)
+        sent += sum(t.numel() * t.element_size() for _, t in named)
+        transport.send(named, last=i == len(parts) - 1)
+        del named
+    transport.end()
+    stats = {"seconds": time.perf_counter() - t0, "bytes": sent, "buckets": len(parts)}
+    if check is not None:
+        check(plan)
+    return stats
+
+
+__all__ = ["EngineLayout", "LiveShards", "PlanError", "SyncPlan", "single_source", "sync_weights"]

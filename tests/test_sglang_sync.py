@@ -1,0 +1,314 @@
+"""Megatron -> SGLang weight sync against SGLang's own model, loader and wire classes.
+
+Two gloo processes each hold a megatron rank (loaded through our converter) and an SGLang rank
+(SGLang's real DeepseekV2ForCausalLM / Qwen2ForCausalLM). Weights go through our plan, gather and
+CudaIpcTransport, serialized with SGLang's MultiprocessingSerializer and FlattenedTensorMetadata,
+unpacked by SGLang's FlattenedTensorBucket and loaded by its load_weights, exactly as its
+TpModelWorker does; the result must equal the same SGLang model loaded straight from the HF
+files, bit for bit. Layouts that cannot run here (TP16 over 2 nodes, EP8) are checked as plans.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from converters import convert
+from mcore_rl.models.config import HFModel
+from mcore_rl.parallel import Layout
+from mcore_rl.sync.plan import EngineLayout, PlanError, SyncPlan, single_source
+from tests import distributed, sglang_reference
+from tests.tiny_models import make_hf_model
+
+CASES = {  # name: (family, trainer layout, engine tp, engine ep)
+    "ds_tp2": ("deepseek_v3", Layout(tp=2), 2, 1),
+    "ds_tp2ep2_from_ep2": ("deepseek_v3", Layout(ep=2), 2, 2),
+    "qwen2_tp2": ("qwen2", Layout(tp=2), 2, 1),
+}
+BUCKET = 48 << 10  # small, so every model needs many buckets
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    reason = sglang_reference.available()
+    if reason:
+        sglang_reference.sglang_module("sglang.srt")  # skips, or fails under MCORE_RL_REQUIRE_SGLANG
+    root = tmp_path_factory.mktemp("sync")
+    for fam in {c[0] for c in CASES.values()}:
+        make_hf_model(fam, str(root / fam / "hf"))
+        convert.hf_to_mcore(str(root / fam / "hf"), str(root / fam / "ckpt"), dtype="fp32")
+    return root
+
+
+class ThreadedEngine:
+    """Stands where SGLang's scheduler stands: the driver's calls reach every engine rank (here over
+    a gloo group, served by a thread on the other ranks), and each rank unpacks its own payload
+    with SGLang's classes, then runs its model's load_weights."""
+
+    def __init__(self, model, rank: int, group):
+        import torch.distributed as dist
+
+        self.model, self.rank, self.group, self.dist = model, rank, group, dist
+        self.loaded_names: list[str] = []
+        self.thread = None
+        if rank != 0:
+            self.thread = threading.Thread(target=self._serve, daemon=True)
+            self.thread.start()
+
+    def _serve(self):
+        while True:
+            box = [None]
+            self.dist.broadcast_object_list(box, src=0, group=self.group)
+            if box[0] is None:
+                return
+            self._run(*box[0])
+
+    def _call(self, *msg):
+        self.dist.broadcast_object_list([msg], src=0, group=self.group)
+        self._run(*msg)
+
+    def _run(self, method, payloads=None, load_format=None):
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        if method == "tensor":
+            assert load_format == "flattened_bucket"
+            monkey_patch_torch_reductions()
+            data = MultiprocessingSerializer.deserialize(payloads[self.rank])
+            bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+            named = bucket.reconstruct_tensors()
+            self.loaded_names += [n for n, _ in named]
+            self.model.load_weights(named)
+        self.dist.barrier(group=self.group)  # the call returns once every engine rank has loaded
+
+    def begin_weight_update(self):
+        self._call("begin")
+
+    def end_weight_update(self):
+        self._call("end")
+
+    def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=True):
+        self._call("tensor", payloads, load_format)
+
+    def stop(self):
+        if self.rank == 0:
+            self.dist.broadcast_object_list([None], src=0, group=self.group)
+        else:
+            self.thread.join(timeout=60)
+
+
+def _cpu_serialize(obj) -> bytes:
+    """SGLang's MultiprocessingSerializer bytes for CPU tensors: its monkey_patch_torch_reductions
+    (active once SGLang's model code ran) rewrites CUDA handles and breaks on CPU tensors, so pickle
+    with torch's own tensor reducer; SGLang's SafeUnpickler reads the result."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table[torch.Tensor] = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+def _tensors(model) -> dict[str, torch.Tensor]:
+    out = dict(model.named_parameters())
+    out.update(model.named_buffers())
+    for name, mod in model.named_modules():  # MLA's w_kc / w_vc are derived plain attributes
+        for attr in ("w_kc", "w_vc"):
+            if isinstance(getattr(mod, attr, None), torch.Tensor):
+                out[f"{name}.{attr}"] = getattr(mod, attr)
+    return out
+
+
+def _case(rank, root, fam, trainer, tp, ep):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import load_file
+    from sglang.srt.distributed import parallel_state as sps
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    from mcore_rl.checkpoint import load_model
+    from mcore_rl.models import build_model, transformer_config
+    from mcore_rl.parallel import init_distributed
+    from mcore_rl.sync import LiveShards, sync_weights
+    from mcore_rl.sync.transports import CudaIpcTransport
+
+    hf_dir = os.path.join(root, fam, "hf")
+    hf = HFModel.from_dir(hf_dir)
+    init_distributed(trainer)
+    model = build_model(hf, transformer_config(hf, tp=trainer.tp, ep=trainer.ep, dtype=torch.float32, cpu=True))
+    load_model(model, os.path.join(root, fam, "ckpt"))
+
+    sglang_reference.init_sglang_parallel(rank, 2, tp, ep, hf_dir)
+    reference = sglang_reference.build_model(hf_dir)
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    reference.load_weights([kv for f in files for kv in load_file(f).items()])
+    synced = sglang_reference.build_model(hf_dir)
+
+    plan = SyncPlan.build(hf, trainer, 2, EngineLayout(tp, ep, 1, tp), {0: 0, 1: 1}, BUCKET, torch.float32)
+    plan.check_complete()
+    engine = ThreadedEngine(synced, rank, dist.new_group(backend="gloo"))
+    transport = CudaIpcTransport(engine, plan.engine_rank_of, serializer=_cpu_serialize,
+                                 meta_cls=FlattenedTensorMetadata)
+    stats = sync_weights(plan, LiveShards(model, plan), transport)
+    engine.stop()
+
+    ref, got = _tensors(reference), _tensors(synced)
+    differ = sorted(n for n in ref if n not in got or not torch.equal(ref[n], got[n]))
+    experts = sorted({int(n.split(".")[5]) for n in engine.loaded_names if ".mlp.experts." in n})
+    sps.destroy_model_parallel()
+    ps.destroy_model_parallel()
+    return dict(tensors=len(ref), differ=differ[:10], n_differ=len(differ), buckets=stats["buckets"],
+                bytes=stats["bytes"], experts=experts, loaded=len(engine.loaded_names),
+                payload=plan.payload_names(rank))
+
+
+def _worker(rank, root, out):
+    assert sglang_reference.available() is None  # side path and torchvision stand-in in this process
+    for name, (fam, trainer, tp, ep) in CASES.items():
+        r = _case(rank, root, fam, trainer, tp, ep)
+        with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
+            json.dump(r, f)
+
+
+@pytest.fixture(scope="module")
+def synced(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    distributed.run(_worker, 2, str(models), str(out))
+    return {p.name.removesuffix(".json"): json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sync_is_bit_exact_against_sglang_loading_hf(synced, case):
+    for rank in (0, 1):
+        r = synced[f"{case}.rank{rank}"]
+        assert r["n_differ"] == 0 and r["tensors"] > 10, (case, rank, r["differ"])
+        assert r["buckets"] > 3, r  # the small bucket size forced real bucketing
+        assert r["loaded"] == len(r["payload"])
+
+
+def test_experts_reach_only_their_engine_ranks(synced):
+    E = 8
+    for rank in (0, 1):
+        tp_only = synced[f"ds_tp2.rank{rank}"]
+        assert tp_only["experts"] == list(range(E))  # EP=1: every rank owns every expert
+        with_ep = synced[f"ds_tp2ep2_from_ep2.rank{rank}"]
+        assert with_ep["experts"] == list(range(rank * E // 2, (rank + 1) * E // 2))
+
+
+# ---- plans for layouts that cannot run here -------------------------------------------------
+
+def _moonlight_like(**kw) -> HFModel:
+    cfg = dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+               moe_intermediate_size=1408, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16,
+               n_routed_experts=64, n_shared_experts=2, first_k_dense_replace=1, num_experts_per_tok=6,
+               kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    cfg.update(kw)
+    return HFModel.from_dict(cfg)
+
+
+def _sglang_rank_bytes(hf: HFModel, engine: EngineLayout, tp_rank: int) -> int:
+    """What SGLang's loader reads for one rank, from the config alone: every non-expert HF tensor
+    whole (its weight_loader slices), and the three tensors of each expert the rank owns."""
+    c, H, bf16 = hf.cfg, hf.hidden_size, 2
+    heads, qk = c["num_attention_heads"], c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    ql = c["q_lora_rank"]  # q_a_proj + q_a_layernorm + q_b_proj, or one q_proj
+    q = ql * H + ql + heads * qk * ql if ql else heads * qk * H
+    attn = (q + (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * H + c["kv_lora_rank"]
+            + heads * (c["qk_nope_head_dim"] + c["v_head_dim"]) * c["kv_lora_rank"] + H * heads * c["v_head_dim"])
+    total = 2 * hf.vocab_size * H + H
+    owned = len(engine.experts_of(tp_rank, hf.num_experts))
+    for layer in range(hf.num_layers):
+        total += attn + 2 * H
+        if hf.is_moe_layer(layer):
+            shared = c["moe_intermediate_size"] * c["n_shared_experts"]
+            total += hf.num_experts * H + 3 * shared * H + owned * 3 * c["moe_intermediate_size"] * H
+        else:
+            total += 3 * c["intermediate_size"] * H
+    extra_fp32 = sum(hf.num_experts for layer in range(hf.num_layers) if hf.is_moe_layer(layer))  # e_score bias
+    return total * bf16 + extra_fp32 * 4
+
+
+@pytest.mark.parametrize("engine,q_lora", [(EngineLayout(16, 1, nnodes=2, gpus_per_node=8), None),
+                                           (EngineLayout(16, 1, nnodes=2, gpus_per_node=8), 1536),
+                                           (EngineLayout(8, 8, nnodes=1, gpus_per_node=8), None),
+                                           (EngineLayout(16, 8, nnodes=2, gpus_per_node=8), None)])
+def test_plan_for_layouts_beyond_this_machine(engine, q_lora):
+    hf = _moonlight_like(q_lora_rank=q_lora)
+    world = engine.tp_size
+    plan = SyncPlan.build(hf, Layout(tp=2, ep=world // 2 if world // 2 <= 64 else 1), world, engine,
+                          {r: r for r in range(world)}, bucket_bytes=256 << 20)
+    plan.check_complete()
+    for r in range(world):
+        parts = plan.for_rank(r)
+        got = sum(b.payload_bytes for b in parts)
+        assert got == _sglang_rank_bytes(hf, engine, r), (r, got)
+        names = plan.payload_names(r)
+        own = engine.experts_of(r, hf.num_experts)
+        experts = {int(n.split(".")[5]) for n in names if ".mlp.experts." in n}
+        assert experts == set(own)
+        assert len(names) == len(set(names))
+        for b in parts:  # the q_a / kv_a pair always shares a bucket
+            held = {t.name for t in b.payload}
+            for n in held:
+                if n.endswith("q_a_proj.weight"):
+                    assert n.replace("q_a_proj", "kv_a_proj_with_mqa") in held
+        for b in parts:  # nothing fused: no tensor has an expert dimension
+            assert all(len(t.shape) <= 2 and t.shape[0] != hf.num_experts * 2 * 1408 for t in b.payload)
+    assert {engine.node_and_local(r)[0] for r in range(world)} == set(range(engine.nnodes))
+
+
+def test_buckets_respect_the_size_cap():
+    hf = _moonlight_like()
+    plan = SyncPlan.build(hf, Layout(tp=1, ep=8), 8, EngineLayout(8, 8, 1, 8), {r: r for r in range(8)},
+                          bucket_bytes=64 << 20)
+    biggest = max(t.nbytes for t in plan.tensors.values())
+    for r in range(8):
+        for b in plan.for_rank(r):
+            assert b.payload_bytes <= max(64 << 20, biggest + (8 << 20))
+
+
+# ---- bad input: clear errors before any transfer ------------------------------------------------
+
+@pytest.mark.parametrize("engine,rank_of,match", [
+    (EngineLayout(3, 1, 1, 3), {r: r for r in range(3)}, "does not divide num_attention_heads"),
+    (EngineLayout(4, 3, 1, 4), {r: r for r in range(4)}, "does not divide"),
+    (EngineLayout(16, 1, 2, None), {r: r for r in range(16)}, "gpus_per_node is unknown"),
+    (EngineLayout(16, 1, 2, 4), {r: r for r in range(16)}, "gpus_per_node=4 x nnodes=2"),
+    (EngineLayout(4, 1, 1, 4), {0: 0, 1: 1, 2: 2}, "mismatched GPU counts"),
+    (EngineLayout(4, 1, 1, 4), {0: 0, 1: 1, 2: 2, 3: 2}, "exactly once"),
+    (EngineLayout(4, 1, 1, 4), {0: 0, 1: 1, 2: 2, 9: 3}, "do not exist"),
+])
+def test_bad_engine_layouts_are_refused(engine, rank_of, match):
+    with pytest.raises(PlanError, match=match):
+        SyncPlan.build(_moonlight_like(), Layout(tp=2), 4, engine, rank_of)
+
+
+def test_ep_not_dividing_experts_is_refused():
+    with pytest.raises(PlanError, match="ep_size=3 does not divide n_routed_experts=64"):
+        SyncPlan.build(_moonlight_like(), Layout(), 6, EngineLayout(6, 3, 1, 6), {r: r for r in range(6)})
+
+
+def test_missing_tensor_in_plan_is_reported():
+    hf = _moonlight_like()
+    plan = SyncPlan.build(hf, Layout(), 2, EngineLayout(2, 1, 1, 2), {0: 0, 1: 1}, bucket_bytes=1 << 30)
+    plan.buckets[0][1].payload.pop()  # a tensor rank 1's engine needs is no longer sent
+    with pytest.raises(PlanError, match="trainer rank 1 .* is missing"):
+        plan.check_complete()
+
+
+def test_single_source_plan_sends_everything_from_rank_zero():
+    hf = _moonlight_like()
+    plan = SyncPlan.build(hf, Layout(tp=2, ep=2), 4, EngineLayout(4, 2, 1, 4), single_source(0))
+    names = plan.payload_names(0)
+    assert len(names) == len(plan.tensors) and plan.payload_names(1) == []
+    assert any(dst == 0 for r in (1, 2, 3) for b in plan.for_rank(r) for _, dst in b.sends)
