@@ -46,10 +46,7 @@ def merge_fsdp(dirs: list[str], out: str, manifest: str | None = None, hf_config
     with atomic_dir(out) as tmp, _bar(sum(p.nbytes for p in plan), "fsdp -> hf") as bar:
         writer = PlannedWriter(tmp, plan, max_shard_bytes)
         for g in groups:
-            for name, t in ck.rules.to_disk(ck.tensors(g)).items():
-                t = _cast(t, cast)
-                writer.write(name, t)
-                bar.update(t.numel() * t.element_size())
+            _write_group(writer, ck.rules.to_disk(ck.tensors(g)), cast, bar)
         writer.close()
         if adapter:
             lora.write_adapter(tmp, {n: _cast(ck.tensors([n])[n], cast) for n in sorted(ck.lora)}, adapter)
@@ -58,6 +55,14 @@ def merge_fsdp(dirs: list[str], out: str, manifest: str | None = None, hf_config
         if check:
             check(tmp)
     return out
+
+
+def _write_group(writer: PlannedWriter, tensors: dict[str, torch.Tensor], cast, bar) -> None:
+    # a function, so that no reference to this group outlives it while the next one is read
+    for name, t in tensors.items():
+        t = _cast(t, cast)
+        writer.write(name, t)
+        bar.update(t.numel() * t.element_size())
 
 
 def merge_megatron(dirs: list[str], out: str, hf_config: str | None = None, dtype: str | None = None,

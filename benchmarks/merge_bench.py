@@ -1,0 +1,171 @@
+"""Merge a Moonlight-16B-A3B-shaped verl FSDP2 checkpoint on the CPU machine: wall time, peak RSS.
+
+Writes `--ranks` rank files (DTensor Shard(0) over a 1-D mesh, verl's names and layout) split
+over `--nodes` directories, one rank file at a time (one rank's shard in memory, not the model),
+runs `python -m converters merge` in a child process and reads its peak RSS from wait4(), checks
+sampled output tensors against the fill pattern, prints a table, writes JSON, deletes the data.
+
+    python benchmarks/merge_bench.py --work /tmp/merge_bench --json benchmarks/merge_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+MOONLIGHT = dict(  # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 architecture)
+    vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+    n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, q_lora_rank=None,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1,
+    topk_group=1, routed_scaling_factor=2.446, tie_word_embeddings=False, dtype="bfloat16",
+    max_position_embeddings=8192)
+
+
+def fill(i: int, rank: int) -> float:
+    """Shard `rank` of in-memory tensor `i` is this constant (exact in bf16): checks placement."""
+    return ((i * 8 + rank) % 251) / 8
+
+
+def model_tensors(layers: int):
+    """(name, shape, dtype, is_parameter) of the in-memory model, from transformers itself."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(**{**MOONLIGHT, "num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    params = {n for n, _ in model.named_parameters()}
+    return cfg, [(n, tuple(t.shape), t.dtype, n in params) for n, t in model.state_dict().items()]
+
+
+def write_checkpoint(work: str, layers: int, ranks: int, nodes: int) -> tuple[list[str], int]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not dist.is_initialized():  # a DeviceMesh object needs a process group to exist
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = DeviceMesh("cpu", torch.arange(ranks), mesh_dim_names=("fsdp",), _init_backend=False)
+    cfg, tensors = model_tensors(layers)
+    dirs = [os.path.join(work, f"node{n}") for n in range(nodes)]
+    for d in dirs:
+        os.makedirs(d)
+    cfg.save_pretrained(os.path.join(dirs[0], "huggingface"))
+    with open(os.path.join(dirs[0], "fsdp_config.json"), "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": ranks}, f)
+    total = 0
+    for r in range(ranks):
+        state = {}
+        for i, (name, shape, dtype, is_param) in enumerate(tensors):
+            if not is_param:  # buffers are not sharded by FSDP2
+                state[name] = torch.full(shape, fill(i, 0), dtype=dtype)
+                continue
+            full = torch.empty(shape, dtype=dtype, device="meta")
+            chunks = full.chunk(ranks, 0)
+            local_shape = chunks[r].shape if r < len(chunks) else (0, *shape[1:])
+            local = torch.full(local_shape, fill(i, r), dtype=dtype)
+            state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                             shape=full.shape, stride=full.stride())
+        path = os.path.join(dirs[r * nodes // ranks], f"model_world_size_{ranks}_rank_{r}.pt")
+        torch.save(state, path)
+        total += os.path.getsize(path)
+        del state
+        print(f"  wrote {path} ({os.path.getsize(path) / 2**30:.2f} GiB)", flush=True)
+    return dirs, total
+
+
+def check_samples(out: str, layers: int, ranks: int) -> int:
+    """Sampled output tensors hold the fill of the rank that owned each row block."""
+    from safetensors import safe_open
+
+    _, tensors = model_tensors(layers)
+    index = {n: i for i, (n, *_rest) in enumerate(tensors)}
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    experts = MOONLIGHT["n_routed_experts"]
+    last = layers - 1
+    samples = ["model.embed_tokens.weight", "lm_head.weight", f"model.layers.{last}.self_attn.q_proj.weight",
+               f"model.layers.{last}.mlp.experts.0.gate_proj.weight",
+               f"model.layers.{last}.mlp.experts.{experts - 1}.down_proj.weight"]
+    for name in samples:
+        with safe_open(os.path.join(out, weight_map[name]), "pt") as f:
+            t = f.get_tensor(name)
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if m:  # fused in memory: [E, ...] sharded by expert
+            fused = f"{m.group(1)}.{'down_proj' if m.group(3) == 'down' else 'gate_up_proj'}"
+            want = torch.full_like(t, fill(index[fused], int(m.group(2)) * ranks // experts))
+        else:
+            bounds = [c.shape[0] for c in torch.empty(t.shape, device="meta").chunk(ranks, 0)]
+            want = torch.cat([torch.full((b, *t.shape[1:]), fill(index[name], r), dtype=t.dtype)
+                              for r, b in enumerate(bounds)])
+        if not torch.equal(t, want):
+            raise SystemExit(f"merged {name} does not match the rank shards it came from")
+    return len(samples)
+
+
+def timed_merge(dirs: list[str], out: str) -> dict:
+    cmd = [sys.executable, "-m", "converters", "merge", "--backend", "fsdp", "--local-dir", *dirs,
+           "--target-dir", out]
+    env = dict(os.environ, MCORE_RL_NO_PROGRESS="1")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"merge failed with exit code {os.waitstatus_to_exitcode(status)}")
+    return {"command": " ".join(cmd), "wall_s": round(wall, 1), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default="/tmp/merge_bench", help="scratch directory (deleted afterwards)")
+    p.add_argument("--layers", type=int, default=MOONLIGHT["num_hidden_layers"])
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--keep", action="store_true", help="keep the generated data")
+    a = p.parse_args(argv)
+    if os.path.exists(a.work):
+        raise SystemExit(f"{a.work} exists; pass a new --work directory")
+    os.makedirs(a.work)
+    try:
+        t0 = time.perf_counter()
+        # generate in a child: the merge's peak RSS from wait4() also counts the parent's peak
+        # (it is recorded at exec), so this process must stay small
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            dirs, size = pool.apply(write_checkpoint, (a.work, a.layers, a.ranks, a.nodes))
+        gen_s = time.perf_counter() - t0
+        free = shutil.disk_usage(a.work).free
+        if free < size * 1.05:
+            raise SystemExit(f"not enough disk for the output: {free / 2**30:.1f} GiB free, "
+                             f"{size / 2**30:.1f} GiB needed")
+        out = os.path.join(a.work, "merged")
+        res = timed_merge(dirs, out)
+        samples = check_samples(out, a.layers, a.ranks)
+    finally:
+        if not a.keep:
+            shutil.rmtree(a.work, ignore_errors=True)
+    res.update(model=f"Moonlight-16B-A3B shape, {a.layers} layers, bf16", ranks=a.ranks, nodes=a.nodes,
+               checkpoint_gib=round(size / 2**30, 2), generate_s=round(gen_s, 1),
+               read_gib_per_s=round(size / 2**30 / res["wall_s"], 2), checked_tensors=samples,
+               cpus=os.cpu_count(), torch=torch.__version__)
+    width = max(map(len, res))
+    for k, v in res.items():
+        print(f"{k:<{width}}  {v}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
