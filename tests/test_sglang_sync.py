@@ -172,8 +172,30 @@ def _case(rank, root, fam, trainer, tp, ep):
                 payload=plan.payload_names(rank))
 
 
+def _bucket_format_matches_sglang() -> dict:
+    """Our flatten/unflatten (used where SGLang is absent) against SGLang's FlattenedTensorBucket."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from mcore_rl.sync.bucket import flatten, unflatten
+
+    g = torch.Generator().manual_seed(3)
+    named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+             ("c", torch.randint(0, 9, (2, 2), generator=g, dtype=torch.int8))]
+    ours, metas = flatten(named)
+    theirs = FlattenedTensorBucket(named_tensors=named)
+    fields = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+    same_meta = [[getattr(m, f) for f in fields] for m in metas] == \
+        [[getattr(m, f) for f in fields] for m in theirs.get_metadata()]
+    back = unflatten(theirs.get_flattened_tensor(), theirs.get_metadata())
+    return dict(same_bytes=torch.equal(ours, theirs.get_flattened_tensor()), same_meta=same_meta,
+                round_trip=all(n == m and torch.equal(t, u) for (n, t), (m, u) in zip(named, back)))
+
+
 def _worker(rank, root, out):
     assert sglang_reference.available() is None  # side path and torchvision stand-in in this process
+    if rank == 0:
+        with open(os.path.join(out, "bucket_format.json"), "w") as f:
+            json.dump(_bucket_format_matches_sglang(), f)
     for name, (fam, trainer, tp, ep) in CASES.items():
         r = _case(rank, root, fam, trainer, tp, ep)
         with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
@@ -194,6 +216,10 @@ def test_sync_is_bit_exact_against_sglang_loading_hf(synced, case):
         assert r["n_differ"] == 0 and r["tensors"] > 10, (case, rank, r["differ"])
         assert r["buckets"] > 3, r  # the small bucket size forced real bucketing
         assert r["loaded"] == len(r["payload"])
+
+
+def test_our_bucket_format_is_sglangs(synced):
+    assert synced["bucket_format"] == dict(same_bytes=True, same_meta=True, round_trip=True)
 
 
 def test_experts_reach_only_their_engine_ranks(synced):

@@ -1,0 +1,262 @@
+"""Weight-sync benchmark: colocated trainer ranks -> SGLang-layout receivers over CUDA IPC.
+
+N trainer processes hold a Moonlight-16B-A3B-shaped model (random bf16) with EP=N, as the sync
+plan (mcore_rl.sync.plan) lays it out. N receiver processes, one per GPU beside its trainer rank,
+hold SGLang-layout parameter buffers for engine TP=N, EP=N (attention and dense MLP sliced by tp
+rank, experts as w13 [local_E, 2I, H] / w2 [local_E, H, I], gate_up_proj fused). Per bucket a
+trainer flattens its payload into one buffer (SGLang's flattened_bucket format), sends the CUDA
+IPC handle, and the receiver copies each tensor into place as SGLang's weight loaders would.
+SGLang itself is not imported (the GPU machines do not have it); the bucket format is checked
+against SGLang's class in tests/test_sync_bench.py.
+
+    python benchmarks/sync_bench.py --gpus 4 --out sync.json      # GPU
+    python benchmarks/sync_bench.py --cpu --tiny --out sync.json  # CPU smoke test (shared memory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import zlib
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mcore_rl.models.config import HFModel  # noqa: E402
+from mcore_rl.parallel import Layout  # noqa: E402
+from mcore_rl.sync.bucket import flatten, unflatten  # noqa: E402
+from mcore_rl.sync.checksum import compare, digests  # noqa: E402
+from mcore_rl.sync.plan import EngineLayout, SyncPlan  # noqa: E402
+from mcore_rl.sync.transports import torch_serializer  # noqa: E402
+
+MOONLIGHT = dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+                 moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                 num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, first_k_dense_replace=1,
+                 num_experts_per_tok=6, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                 qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False)
+TINY = dict(MOONLIGHT, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+            kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+ROW_SPLIT = ("embed_tokens", "lm_head", "q_proj", "q_b_proj", "kv_b_proj")  # split over tp by output rows
+COL_SPLIT = ("o_proj",)
+
+
+def sglang_target(name: str, t: torch.Tensor, tp_rank: int, tp: int, E_local: int, expert_base: int):
+    """(param name, index into it, source view) as SGLang's weight loaders place HF tensor `name`
+    on tp rank `tp_rank` with moe_tp = 1 (EP = TP): experts into w13/w2, gate/up into gate_up_proj."""
+    parts = name.split(".")
+    leaf = parts[-2]
+    if ".mlp.experts." in name:
+        e = int(parts[5]) - expert_base
+        base = ".".join(parts[:5])
+        if leaf == "down_proj":
+            return f"{base}.w2_weight", (e,), t
+        half = t.shape[0]
+        return f"{base}.w13_weight", (e, slice(0, half) if leaf == "gate_proj" else slice(half, 2 * half)), t
+    if leaf in ("gate_proj", "up_proj", "down_proj"):  # dense and shared MLPs: split over tp, fused gate_up
+        if leaf == "down_proj":
+            return name, (), t.chunk(tp, dim=1)[tp_rank]
+        rows = t.chunk(tp, dim=0)[tp_rank]
+        n = rows.shape[0]
+        fused = name.replace(f"{leaf}.weight", "gate_up_proj.weight")
+        return fused, (slice(0, n) if leaf == "gate_proj" else slice(n, 2 * n),), rows
+    if leaf in ROW_SPLIT:
+        return name, (), t.chunk(tp, dim=0)[tp_rank]
+    if leaf in COL_SPLIT:
+        return name, (), t.chunk(tp, dim=1)[tp_rank]
+    return name, (), t  # norms, router, kv_a_proj_with_mqa: replicated
+
+
+def engine_params(plan: SyncPlan, rank: int, device) -> dict[str, torch.Tensor]:
+    """Empty SGLang-layout buffers for one engine rank, shaped by placing every tensor it receives."""
+    shapes: dict[str, tuple] = {}
+    E_local = plan.hf.num_experts // plan.engine.ep_size
+    for name in plan.payload_names(rank):
+        t = plan.tensors[name]
+        probe = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        target, index, src = sglang_target(name, probe, rank, plan.engine.tp_size, E_local, 0)
+        if target.endswith("w13_weight"):
+            shapes[target] = (E_local, 2 * t.shape[0], t.shape[1])
+        elif target.endswith("w2_weight"):
+            shapes[target] = (E_local, *t.shape)
+        elif target.endswith("gate_up_proj.weight"):
+            shapes[target] = (2 * src.shape[0], src.shape[1])
+        else:
+            shapes[target] = tuple(src.shape)
+    dtype = {n: plan.tensors[n].dtype for n in plan.payload_names(rank)}
+    return {k: torch.empty(v, dtype=torch.float32 if "e_score" in k else torch.bfloat16, device=device)
+            for k, v in shapes.items()} if dtype else {}
+
+
+def place(params, named, rank, plan):
+    E_local = plan.hf.num_experts // plan.engine.ep_size
+    base = plan.engine.experts_of(rank, plan.hf.num_experts).start
+    for name, t in named:
+        target, index, src = sglang_target(name, t, rank, plan.engine.tp_size, E_local, base)
+        params[target][index].copy_(src)
+
+
+def source_tensors(plan: SyncPlan, rank: int, device) -> dict[str, torch.Tensor]:
+    """This trainer rank's tensors, random but reproducible from their names."""
+    out = {}
+    for b in plan.for_rank(rank):
+        for t in b.payload:
+            g = torch.Generator(device=device).manual_seed(zlib.crc32(t.name.encode()))
+            out[t.name] = torch.randn(t.shape, generator=g, device=device, dtype=torch.float32).to(t.dtype)
+    return out
+
+
+def make_plan(cfg: dict, n: int, bucket_bytes: int) -> SyncPlan:
+    """Trainer EP = n, engine TP = EP = n, colocated rank r <-> engine rank r (rebuilt per process:
+    HFModel does not pickle, and the plan is deterministic)."""
+    plan = SyncPlan.build(HFModel.from_dict(cfg), Layout(ep=n), n, EngineLayout(n, n, 1, n),
+                          {r: r for r in range(n)}, bucket_bytes=bucket_bytes)
+    plan.check_complete()
+    return plan
+
+
+def _device(cpu: bool, rank: int):
+    if cpu:
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def trainer(rank, spec, ctl, peer, args):
+    """`ctl`: go/done with the main process; `peer`: buckets and acks with this GPU's receiver."""
+    plan = make_plan(*spec)
+    device = _device(args.cpu, rank)
+    src = source_tensors(plan, rank, device)
+    parts = plan.for_rank(rank)
+    cap = max(b.payload_bytes for b in parts)
+    buffers = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(2)]  # double buffering
+    if args.cpu:
+        for b in buffers:
+            b.share_memory_()
+    ctl.send(("ready", None))
+    for _ in range(args.repeats + 1):
+        assert ctl.recv() == "go"
+        pending = 0
+        for i, b in enumerate(parts):
+            if pending == 2:  # the receiver is done with buffer i % 2
+                assert peer.recv() == "ack"
+                pending -= 1
+            flat, metas = flatten([(t.name, src[t.name]) for t in b.payload], out=buffers[i % 2])
+            if not args.cpu:
+                torch.cuda.current_stream().synchronize()  # the receiver reads on another process
+            peer.send(("bucket", torch_serializer({"flattened_tensor": flat, "metadata": metas})))
+            pending += 1
+        for _ in range(pending):
+            assert peer.recv() == "ack"
+        ctl.send(("done", None))
+    # expected SGLang-layout contents, digested where they live
+    expected = engine_params(plan, rank, device)
+    place(expected, list(src.items()), rank, plan)
+    ctl.send(("expected", digests(expected.items())))
+    peer.send(("digest", None))
+    ctl.send(("got", peer.recv()))
+
+
+def receiver(rank, spec, conn, args):
+    plan = make_plan(*spec)
+    device = _device(args.cpu, rank)
+    params = engine_params(plan, rank, device)
+    while True:
+        kind, data = conn.recv()
+        if kind == "bucket":
+            bucket = ForkingPickler.loads(data)
+            place(params, unflatten(bucket["flattened_tensor"], bucket["metadata"]), rank, plan)
+            if not args.cpu:
+                torch.cuda.current_stream().synchronize()
+            del bucket
+            conn.send("ack")
+        elif kind == "digest":
+            conn.send(digests(params.items()))
+            return
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpus", type=int, default=None, help="GPUs (= trainer ranks = engine TP = EP)")
+    ap.add_argument("--cpu", action="store_true", help="CPU tensors over shared memory instead of CUDA IPC")
+    ap.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
+    ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    ap.add_argument("--bucket-mb", type=float, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--copy-bw", type=float, default=4.0e12,
+                    help="device copy bandwidth, bytes/s read+write (4.0e12 measured on 4 x H200)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    n = args.gpus or (2 if args.cpu else torch.cuda.device_count())
+    cfg = dict(TINY if args.tiny else MOONLIGHT)
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    spec = (cfg, n, int(args.bucket_mb * 2**20))
+    plan = make_plan(*spec)
+    hf = plan.hf
+    ctx = mp.get_context("spawn")
+    links, procs = [], []
+    for r in range(n):
+        ctl_main, ctl_trainer = ctx.Pipe()
+        peer_trainer, peer_receiver = ctx.Pipe()
+        links.append(ctl_main)
+        procs.append(ctx.Process(target=trainer, args=(r, spec, ctl_trainer, peer_trainer, args)))
+        procs.append(ctx.Process(target=receiver, args=(r, spec, peer_receiver, args)))
+    for p in procs:
+        p.start()
+    for c in links:
+        assert c.recv()[0] == "ready"
+    times = []
+    for i in range(args.repeats + 1):
+        t0 = time.perf_counter()
+        for c in links:
+            c.send("go")
+        for c in links:
+            assert c.recv()[0] == "done"
+        if i:  # the first round opens the IPC handles
+            times.append(time.perf_counter() - t0)
+    expected = [c.recv()[1] for c in links]
+    got = [c.recv()[1] for c in links]
+    for p in procs:
+        p.join(timeout=120)
+    mismatches = []
+    for r in range(n):
+        try:
+            compare(expected[r], got[r], where=f"rank {r}")
+        except AssertionError as e:
+            mismatches.append(str(e))
+    rank_bytes = [sum(b.payload_bytes for b in plan.for_rank(r)) for r in range(n)]
+    sec = statistics.median(times)
+    bound = 2 * 2 * max(rank_bytes) / args.copy_bw  # two copies (flatten, place), each read + write
+    result = dict(device="cpu" if args.cpu else torch.cuda.get_device_name(0), gpus=n,
+                  model="tiny" if args.tiny else "moonlight-16b-a3b", layers=hf.num_layers,
+                  params=sum(math.prod(t.shape) for t in plan.tensors.values()),
+                  buckets=len(plan.buckets), bucket_mb=args.bucket_mb, seconds_median=sec, seconds_all=times,
+                  bytes_per_rank_max=max(rank_bytes), bytes_total=sum(rank_bytes),
+                  gb_per_s_total=sum(rank_bytes) / sec / 1e9, gb_per_s_per_gpu=max(rank_bytes) / sec / 1e9,
+                  copy_bound_seconds=bound, ratio_to_bound=sec / bound, weights_equal=not mismatches,
+                  mismatches=mismatches)
+    print(f"{'gpus':>4} {'GB/rank':>8} {'buckets':>7} {'sync s':>8} {'GB/s/gpu':>9} {'bound s':>8} "
+          f"{'x bound':>7} equal")
+    print(f"{n:>4} {max(rank_bytes) / 1e9:>8.2f} {len(plan.buckets):>7} {sec:>8.3f} "
+          f"{result['gb_per_s_per_gpu']:>9.1f} {bound:>8.4f} {sec / bound:>7.1f} {not mismatches}")
+    if args.out:
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, args.out)
+    if mismatches:
+        sys.exit("weight check failed:\n" + "\n".join(mismatches))
+    return result
+
+
+if __name__ == "__main__":
+    main()
