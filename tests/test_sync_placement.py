@@ -1,0 +1,65 @@
+"""Trainer rank -> GPU UUID -> SGLang (node_rank, tp_rank), and CUDA_VISIBLE_DEVICES validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.sync.engine import EngineLaunch
+from mcore_rl.sync.placement import GpuSlot, colocate, parse_visible_devices
+from mcore_rl.sync.plan import EngineLayout, PlanError
+
+
+@pytest.mark.parametrize("value,match", [("0,1,0,1", "more than once"), ("0,,1", "empty entry"),
+                                         ("0,x", "neither GPU indices"), ("0,GPU-1234abcd-aa", "mixes"),
+                                         ("0,9", "out of range")])
+def test_bad_visible_devices_are_rejected(value, match):
+    with pytest.raises(PlanError, match=match):
+        parse_visible_devices(value, device_count=8)
+
+
+def test_good_visible_devices():
+    assert parse_visible_devices("3,1") == ["3", "1"]
+    assert parse_visible_devices(None) is None
+
+
+def _trainer(nodes: int, per_node: int) -> list[GpuSlot]:
+    # trainer ranks numbered node-major, but GPUs listed in a scrambled order within a node
+    return [GpuSlot(f"10.0.0.{n}", f"GPU-{n:02d}{(g * 3) % per_node:02d}aaaa") for n in range(nodes)
+            for g in range(per_node)]
+
+
+def test_colocate_two_nodes_counts_gpus_from_the_placement():
+    trainer = _trainer(2, 4)
+    engine_nodes = [[f"GPU-{n:02d}{g:02d}aaaa" for g in range(4)] for n in range(2)]
+    p = colocate(trainer, engine_nodes, tp_size=8, ep_size=8)
+    assert p.engine == EngineLayout(8, 8, nnodes=2, gpus_per_node=4)
+    assert sorted(p.trainer_to_engine.values()) == list(range(8))
+    for rank, tp_rank in p.trainer_to_engine.items():
+        node, local = p.engine.node_and_local(tp_rank)
+        assert trainer[rank].node == p.engine_nodes[node]
+        assert trainer[rank].gpu_uuid == engine_nodes[node][local]
+
+
+@pytest.mark.parametrize("engine_nodes,tp,match", [
+    ([["GPU-0000aaaa", "GPU-0001aaaa"], ["GPU-0100aaaa"]], 3, "unequal GPU counts"),
+    ([["GPU-0000aaaa", "GPU-0001aaaa"]], 4, "tp_size=4 but the placement has 1 node"),
+    ([["GPU-0000aaaa", "GPU-0999aaaa"]], 2, "where no trainer rank runs"),
+    ([["GPU-0000aaaa", "GPU-0100aaaa"]], 2, "spans hosts"),
+])
+def test_bad_placements_are_refused(engine_nodes, tp, match):
+    with pytest.raises(PlanError, match=match):
+        colocate(_trainer(2, 2), engine_nodes, tp_size=tp)
+
+
+def test_multinode_launch_args_share_everything_but_node_rank():
+    launch = EngineLaunch("/models/moonlight", EngineLayout(16, 1, nnodes=2, gpus_per_node=8),
+                          dist_init_addr="10.0.0.1:5000", mem_fraction_static=0.6)
+    a, b = launch.node_args(0), launch.node_args(1)
+    assert {k for k in a if a[k] != b[k]} == {"node_rank"}
+    assert a["nnodes"] == 2 and a["enable_memory_saver"] and a["dist_init_addr"] == "10.0.0.1:5000"
+    cli = launch.cli(1)
+    assert cli[cli.index("--node-rank") + 1] == "1" and "--enable-memory-saver" in cli
+    with pytest.raises(PlanError, match="gpus_per_node x nnodes"):
+        EngineLaunch("/m", EngineLayout(16, 1, nnodes=2), dist_init_addr="h:1")
+    with pytest.raises(PlanError, match="host:port"):
+        EngineLaunch("/m", EngineLayout(16, 1, nnodes=2, gpus_per_node=8), dist_init_addr="nohost")
