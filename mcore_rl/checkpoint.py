@@ -15,7 +15,10 @@ from mcore_rl.models.builder import sharded_state_dict
 
 
 def _unwrap(model):
-    return model.module if hasattr(model, "module") and not hasattr(model, "sharded_state_dict") else model
+    """The GPTModel inside wrappers (megatron's DDP would prefix every key with 'module.')."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def load_model(model, ckpt_dir: str, strict: bool = True) -> None:

@@ -1,0 +1,79 @@
+"""Megatron's DistributedDataParallel and distributed optimizer around a policy or a critic.
+
+Grads accumulate in fp32 buffers. At the step they are reduce-scattered over the data-parallel
+ranks (dense params over DP, routed experts over expert-DP); each rank updates only its shard of
+the fp32 main params and Adam moments, then the new params are all-gathered. So optimizer memory
+per GPU falls with DP, and bf16 training keeps fp32 master weights. `finalize_model_grads` also
+all-reduces the sequence-parallel grads (norms, router) over TP and applies MoE expert-bias updates.
+Runs on CPU/gloo (with mcore_rl.compat) and on GPU/NCCL alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def wrap(model, tcfg, section: dict):
+    """(DDP-wrapped model, megatron optimizer) for `model`; `section` holds lr, weight_decay and
+    grad_clip (the actor or critic config)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=section["lr"], weight_decay=section["weight_decay"],
+        adam_beta1=0.9, adam_beta2=0.999, adam_eps=section.get("adam_eps", 1e-8),
+        clip_grad=section["grad_clip"], bf16=tcfg.params_dtype == torch.bfloat16,
+        fp16=tcfg.params_dtype == torch.float16, params_dtype=tcfg.params_dtype,
+        use_distributed_optimizer=True), [ddp])
+    return ddp, opt
+
+
+def zero_grad(ddp, opt) -> None:
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+
+
+def step(ddp, opt) -> tuple[bool, float]:
+    """Finish the grad reductions and step; returns (stepped, grad norm before clipping)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp])
+    ok, grad_norm, _ = opt.step()
+    return bool(ok), float(grad_norm or 0.0)
+
+
+def set_lr(opt, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def _subs(opt) -> list:
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def state(opt) -> dict:
+    """This rank's optimizer state: Adam moments and step of its shards, and its fp32 main
+    params of 16-bit model params (fp32 model params are their own main params and travel
+    with the model). Resuming needs the same layout; `load_state` checks the shapes."""
+    return {i: {"inner": sub.optimizer.state_dict(),
+                "main": [[t.detach().clone() for t in group]
+                         for group in getattr(sub, "shard_fp32_from_float16_groups", [])]}
+            for i, sub in enumerate(_subs(opt))}
+
+
+@torch.no_grad()
+def load_state(opt, saved: dict) -> None:
+    subs = _subs(opt)
+    if len(saved) != len(subs):
+        raise ValueError(f"optimizer state holds {len(saved)} optimizers, this layout has {len(subs)}")
+    for i, sub in enumerate(subs):
+        mains = getattr(sub, "shard_fp32_from_float16_groups", [])
+        shapes = [[tuple(t.shape) for t in g] for g in mains]
+        if shapes != [[tuple(t.shape) for t in g] for g in saved[i]["main"]]:
+            raise ValueError("optimizer state was saved at another parallel layout")
+        sub.optimizer.load_state_dict(saved[i]["inner"])
+        for group, got in zip(mains, saved[i]["main"]):
+            for t, v in zip(group, got):
+                t.copy_(v)
