@@ -52,26 +52,40 @@ class ActorGroup:
         from ray.util.placement_group import placement_group
 
         from mcore_rl.actor import MegatronActor
-        from mcore_rl.parallel import free_port
 
         n = C.actor_gpus(cfg)
         cpu = cfg.cluster.device == "cpu"
         bundle = {"CPU": 1} if cpu else {"GPU": 1, "CPU": 1}
         self.pg = placement_group([bundle] * n, strategy="PACK")
         ray.get(self.pg.ready())
-        remote = ray.remote(num_cpus=1, num_gpus=0 if cpu else 1)(MegatronActor)
-        port, d = free_port(), C.to_dict(cfg)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.actors = [remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=i)).remote(i, n, port, hf_dir, d, init=init)
-            for i in range(n)]
+        on = lambda i: PlacementGroupSchedulingStrategy(placement_group=self.pg,  # noqa: E731
+                                                        placement_group_bundle_index=i)
+        # rank 0's node hosts the rendezvous: its address and a port free there, not on the driver
+        addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=on(0)).remote())
+        remote = ray.remote(num_cpus=1, num_gpus=0 if cpu else 1)(MegatronActor)
+        d = C.to_dict(cfg)
+        self.actors = [remote.options(scheduling_strategy=on(i)).remote(i, n, port, hf_dir, d, addr, init)
+                       for i in range(n)]
         self.ray = ray
+        nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                         for a in self.actors])
+        print(f"{n} actor ranks on {len(set(nodes))} node(s); rendezvous {addr}:{port}", flush=True)
 
     def call(self, method: str, *args):
         """Run `method` on every rank; return the non-None results in rank order."""
         out = self.ray.get([getattr(a, method).remote(*args) for a in self.actors])
         return [o for o in out if o is not None]
+
+
+def _rendezvous() -> tuple[str, int]:
+    import ray
+
+    from mcore_rl.parallel import free_port
+
+    addr = ray.util.get_node_ip_address()
+    return addr, free_port(addr)
 
 
 def rl_step(cfg: C.Config, group: ActorGroup, source, prompt_idx: list[int], step: int, kl_ctrl=None) -> dict:
