@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mcore_rl import batching as mb
+from mcore_rl import optim
 
 
 def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, with_entropy: bool = False):
@@ -56,7 +57,8 @@ class MegatronActor:
         self.hf = HFModel.from_dir(hf_dir)
         self.hf_dir = hf_dir
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["model"]["dtype"]]
-        tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"], dtype=dtype)
+        bias = {"moe_router_bias_update_rate": cfg["actor"]["router_bias_update_rate"]} if self.hf.num_experts else {}
+        tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"], dtype=dtype, **bias)
         self.model = build_model(self.hf, tcfg)
         # batches arrive and results leave on the host; the model's device does the work
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -66,7 +68,6 @@ class MegatronActor:
 
             load_model(self.model, init["policy"])
         a, alg = cfg["actor"], cfg["algorithm"]
-        self.opt = self._optimizer(self.model, a)
         self.ref = None
         if a["use_kl_loss"] or alg["use_kl_in_reward"]:  # a frozen copy of the initial policy
             self.ref = build_model(self.hf, tcfg).eval().requires_grad_(False)
@@ -74,6 +75,7 @@ class MegatronActor:
         self.critic = None
         if cfg["critic"]["enabled"]:
             self._build_critic(cfg, tcfg, init.get("critic"))
+        self.model, self.opt = optim.wrap(self.model, tcfg, a)
         self.updates = 0
 
     def _build_critic(self, cfg, tcfg, init_ckpt):
@@ -86,17 +88,12 @@ class MegatronActor:
             hf = HFModel.from_dir(c["hf_path"])
             tcfg = transformer_config(hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"],
                                       dtype=tcfg.params_dtype)
-        self.critic = critic.build_critic(hf, tcfg)
+        model = critic.build_critic(hf, tcfg)
         if init_ckpt:
-            critic.load_trunk(self.critic, init_ckpt)
+            critic.load_trunk(model, init_ckpt)
         else:
-            critic.copy_trunk(self.model, self.critic)
-        self.critic_opt = self._optimizer(self.critic, c)
-
-    @staticmethod
-    def _optimizer(model, section: dict):
-        return torch.optim.AdamW(model.parameters(), lr=section["lr"], weight_decay=section["weight_decay"],
-                                 betas=(0.9, 0.999))
+            critic.copy_trunk(self.model, model)
+        self.critic, self.critic_opt = optim.wrap(model, tcfg, c)
 
     # ---- lockstep helpers -----------------------------------------------------------------------
     def _dp_slice(self, n: int) -> slice:
@@ -209,7 +206,7 @@ class MegatronActor:
         keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
                 "rollout_log_probs")
         out = self._epochs(self.model, self.opt, self._local(batch, keys), self._policy_loss, a["ppo_epochs"],
-                           a["micro_batch_size"], a["grad_clip"], warmup=a["lr_warmup_steps"], base_lr=a["lr"])
+                           a["micro_batch_size"], warmup=a["lr_warmup_steps"], base_lr=a["lr"])
         if self.ref is not None and a["use_kl_loss"]:
             out["actor/kl_coef"] = a["kl_loss_coef"]
         return out if self._is_reporter() else None
@@ -218,11 +215,11 @@ class MegatronActor:
         c = self.cfg["critic"]
         keys = ("tokens", "attention_mask", "response_mask", "values", "returns")
         out = self._epochs(self.critic, self.critic_opt, self._local(batch, keys), self._value_loss,
-                           c["ppo_epochs"], c["micro_batch_size"], c["grad_clip"])
+                           c["ppo_epochs"], c["micro_batch_size"])
         return {k.replace("actor/", "critic/"): v for k, v in out.items()} if self._is_reporter() else None
 
-    def _epochs(self, model, opt, d: dict, loss_fn, epochs: int, micro_batch_size: int, grad_clip: float,
-                warmup: int = 0, base_lr: float | None = None) -> dict:
+    def _epochs(self, model, opt, d: dict, loss_fn, epochs: int, micro_batch_size: int, warmup: int = 0,
+                base_lr: float | None = None) -> dict:
         dp = self.ps.get_data_parallel_world_size()
         mini = self.cfg["actor"]["ppo_mini_batch_size"] * self.cfg["rollout"]["n"] // dp
         totals: dict[str, float] = {}
@@ -233,7 +230,7 @@ class MegatronActor:
                     for g in opt.param_groups:
                         g["lr"] = base_lr * min(1.0, (self.updates + 1) / warmup)
                 stats = self._optimizer_step(model, opt, {k: v[chunk.start:chunk.stop] for k, v in d.items()},
-                                             loss_fn, micro_batch_size, grad_clip)
+                                             loss_fn, micro_batch_size)
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 steps += 1
@@ -242,7 +239,7 @@ class MegatronActor:
         out["actor/lr"] = opt.param_groups[0]["lr"]
         return out
 
-    def _optimizer_step(self, model, opt, d: dict, loss_fn, micro_batch_size: int, grad_clip: float) -> dict:
+    def _optimizer_step(self, model, opt, d: dict, loss_fn, micro_batch_size: int) -> dict:
         """One optimizer step on a mini-batch, accumulating grads over its micro-batches.
 
         Losses are normalised by the mini-batch's global token (or sequence) count over all DP
@@ -255,7 +252,7 @@ class MegatronActor:
         agg = dict(global_num_tokens=counts[0].item(), global_num_seqs=counts[1].item(),
                    dp_size=self.ps.get_data_parallel_world_size())
         local_tokens = max(float(mask.sum()), 1.0)
-        opt.zero_grad(set_to_none=True)
+        optim.zero_grad(model, opt)
         sums: dict[str, float] = {}
         means: dict[str, float] = {}
         R = mask.shape[1]
@@ -271,10 +268,8 @@ class MegatronActor:
                 sums[k] = sums.get(k, 0.0) + float(v)
             for k, v in mean_stats.items():
                 means[k] = means.get(k, 0.0) + share * float(v)
-        self._reduce_grads(model)
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
-        return {**sums, **means, "actor/grad_norm": float(gnorm)}
+        _, gnorm = optim.step(model, opt)  # DP/expert-DP/TP-SP grad reductions, clipping, step
+        return {**sums, **means, "actor/grad_norm": gnorm}
 
     def _policy_loss(self, logits, packed, d, agg):
         from mcore_rl.algos.losses import agg_loss, kl_loss, policy_loss
@@ -309,25 +304,6 @@ class MegatronActor:
         return loss, {"critic/vf_loss": loss.detach()}, {"critic/vf_clipfrac": clipfrac,
                                                           "critic/vpred_mean": masked_mean(vpreds.detach(), mask)}
 
-    def _reduce_grads(self, model):
-        """Average grads over data-parallel replicas, as megatron's DDP does: dense params over DP;
-        experts summed over expert-DP and divided by the DP size (each expert already received the
-        grads of every token routed to it from its EP group); sequence-parallel params (norms,
-        value head) summed over TP first, as each TP rank saw part of the sequence."""
-        ps = self.ps
-        dp = ps.get_data_parallel_world_size()
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            if getattr(p, "sequence_parallel", False) and self.layout.tp > 1:
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-            dense = getattr(p, "allreduce", True)
-            group = ps.get_data_parallel_group() if dense else ps.get_expert_data_parallel_group()
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(p.grad, group=group)
-            if dp > 1:
-                p.grad /= dp
-
     # ---- checkpoints -----------------------------------------------------------------------------
     def _parts(self):
         parts = [("model", self.model, self.opt)]
@@ -343,7 +319,7 @@ class MegatronActor:
         for name, model, opt in self._parts():
             save_model(model, os.path.join(step_dir, name), side_files_from=None)
             suffix = "" if name == "model" else f"_{name}"
-            torch.save(opt.state_dict(), os.path.join(step_dir, "optim", f"rank{dist.get_rank()}{suffix}.pt"))
+            torch.save(optim.state(opt), os.path.join(step_dir, "optim", f"rank{dist.get_rank()}{suffix}.pt"))
         dist.barrier()
 
     def load(self, step_dir: str):
@@ -352,7 +328,7 @@ class MegatronActor:
         for name, model, opt in self._parts():
             load_model(model, os.path.join(step_dir, name))
             suffix = "" if name == "model" else f"_{name}"
-            optim = os.path.join(step_dir, "optim", f"rank{dist.get_rank()}{suffix}.pt")
-            if os.path.exists(optim):  # absent when starting from a converted HF model
-                opt.load_state_dict(torch.load(optim, weights_only=True))
+            path = os.path.join(step_dir, "optim", f"rank{dist.get_rank()}{suffix}.pt")
+            if os.path.exists(path):  # absent when starting from a converted HF model
+                optim.load_state(opt, torch.load(path, weights_only=True))
         dist.barrier()

@@ -137,6 +137,9 @@ class ActorConfig:
     use_dynamic_bsz: bool = False  # pack micro-batches up to ppo_max_token_len_per_gpu tokens
     ppo_max_token_len_per_gpu: int = 16384
     tis_imp_ratio_cap: float | None = None  # truncated importance sampling cap; None disables
+    use_distributed_optimizer: bool = True  # shard fp32 main params and Adam moments over DP
+    # aux-loss-free balancing (DeepSeek-V3): expert-bias step per update; 0 keeps routing as loaded
+    router_bias_update_rate: float = 0.0
 
 
 @dataclass

@@ -14,19 +14,21 @@ import torch
 
 
 def wrap(model, tcfg, section: dict):
-    """(DDP-wrapped model, megatron optimizer) for `model`; `section` holds lr, weight_decay and
-    grad_clip (the actor or critic config)."""
+    """(DDP-wrapped model, megatron optimizer) for `model`; `section` holds lr, weight_decay,
+    grad_clip and optionally use_distributed_optimizer (the actor or critic config). Without the
+    distributed optimizer grads are all-reduced and every DP rank keeps the whole state."""
+    distributed = section.get("use_distributed_optimizer", True)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), model)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed), model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=section["lr"], weight_decay=section["weight_decay"],
         adam_beta1=0.9, adam_beta2=0.999, adam_eps=section.get("adam_eps", 1e-8),
         clip_grad=section["grad_clip"], bf16=tcfg.params_dtype == torch.bfloat16,
         fp16=tcfg.params_dtype == torch.float16, params_dtype=tcfg.params_dtype,
-        use_distributed_optimizer=True), [ddp])
+        use_distributed_optimizer=distributed), [ddp])
     return ddp, opt
 
 
