@@ -38,6 +38,8 @@ class HFModel:
         return cls(model_type, dict(cfg))
 
     def __getattr__(self, item):
+        if item == "cfg":  # not set yet (unpickling): looking it up in itself would recurse forever
+            raise AttributeError(item)
         try:
             return self.cfg[item]
         except KeyError:

@@ -46,7 +46,11 @@ def parse_visible_devices(value: str | None, device_count: int | None = None) ->
 
 @dataclass(frozen=True)
 class GpuSlot:
-    """Where one process runs: its node (by IP or hostname) and its GPU's UUID."""
+    """Where one process runs: its node and its GPU's UUID.
+
+    `node` is any name unique per node: Ray's node id is the safe choice (IPs repeat when
+    several raylets share a host, as in tests), an IP or hostname works with one node per host.
+    """
 
     node: str
     gpu_uuid: str
