@@ -25,10 +25,12 @@ from mcore_rl.sync.plan import EngineLayout, PlanError, SyncPlan, single_source
 from tests import distributed, sglang_reference
 from tests.tiny_models import make_hf_model
 
-CASES = {  # name: (family, trainer layout, engine tp, engine ep)
-    "ds_tp2": ("deepseek_v3", Layout(tp=2), 2, 1),
-    "ds_tp2ep2_from_ep2": ("deepseek_v3", Layout(ep=2), 2, 2),
-    "qwen2_tp2": ("qwen2", Layout(tp=2), 2, 1),
+CASES = {  # name: (family, trainer layout, engine tp, engine ep, transport)
+    "ds_tp2": ("deepseek_v3", Layout(tp=2), 2, 1, "ipc"),
+    "ds_tp2ep2_from_ep2": ("deepseek_v3", Layout(ep=2), 2, 2, "ipc"),
+    "qwen2_tp2": ("qwen2", Layout(tp=2), 2, 1, "ipc"),
+    "ds_tp2ep2_broadcast": ("deepseek_v3", Layout(ep=2), 2, 2, "broadcast"),  # gloo stands in for NCCL
+    "ds_tp2_disk": ("deepseek_v3", Layout(tp=2), 2, 1, "disk"),  # synced twice: versions replace each other
 }
 BUCKET = 48 << 10  # small, so every model needs many buckets
 
@@ -47,14 +49,23 @@ def models(tmp_path_factory):
 
 class ThreadedEngine:
     """Stands where SGLang's scheduler stands: the driver's calls reach every engine rank (here over
-    a gloo group, served by a thread on the other ranks), and each rank unpacks its own payload
-    with SGLang's classes, then runs its model's load_weights."""
+    a gloo group, served by a thread on the other ranks), and each rank runs SGLang's own
+    WeightUpdater (begin/end, disk, update group, distributed receive) or, for tensor payloads,
+    unpacks its own with SGLang's classes and runs its model's load_weights, as TpModelWorker does.
+    A call returns once every rank has finished and raises if any rank failed."""
 
-    def __init__(self, model, rank: int, group):
+    def __init__(self, model, rank: int, group, hf_dir: str):
         import torch.distributed as dist
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
         self.model, self.rank, self.group, self.dist = model, rank, group, dist
+        self.updater = WeightUpdater(
+            tp_rank=rank, device="cpu", gpu_id=0, model_config=ModelConfig(hf_dir, dtype="float32"),
+            custom_weight_loaders={}, get_model=lambda: model, update_model_fields=lambda *a, **k: None,
+            recapture_cuda_graph=lambda: None, get_model_runner=lambda: None)
         self.loaded_names: list[str] = []
+        self.loaded_in_session = False  # SGLang's scheduler: post-load hooks run at end only if nothing loaded
         self.thread = None
         if rank != 0:
             self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -70,22 +81,52 @@ class ThreadedEngine:
 
     def _call(self, *msg):
         self.dist.broadcast_object_list([msg], src=0, group=self.group)
-        self._run(*msg)
+        failed = [r for r in self._run(*msg) if r is not None]
+        if failed:
+            raise RuntimeError(f"engine call {msg[0]} failed: {failed}")
 
-    def _run(self, method, payloads=None, load_format=None):
+    def _run(self, method, *args):
+        try:
+            result = getattr(self, "_" + method)(*args)
+            error = None if result in (None, True) or result[0] else f"rank {self.rank}: {result[1]}"
+        except Exception as e:  # noqa: BLE001 - reported to the driver, as SGLang reports failures
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        errors = [None] * self.dist.get_world_size(self.group)
+        self.dist.all_gather_object(errors, error, group=self.group)
+        return errors
+
+    def _begin(self):
+        self.loaded_in_session = False
+        self.updater.begin_weight_update()
+
+    def _end(self):
+        self.updater.end_weight_update(run_post_load=not self.loaded_in_session)
+
+    def _tensor(self, payloads, load_format):
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-        if method == "tensor":
-            assert load_format == "flattened_bucket"
-            monkey_patch_torch_reductions()
-            data = MultiprocessingSerializer.deserialize(payloads[self.rank])
-            bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
-            named = bucket.reconstruct_tensors()
-            self.loaded_names += [n for n, _ in named]
-            self.model.load_weights(named)
-        self.dist.barrier(group=self.group)  # the call returns once every engine rank has loaded
+        assert load_format == "flattened_bucket"
+        monkey_patch_torch_reductions()
+        data = MultiprocessingSerializer.deserialize(payloads[self.rank])
+        bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+        named = bucket.reconstruct_tensors()
+        self.loaded_names += [n for n, _ in named]
+        self.model.load_weights(named)
+        self.loaded_in_session = True
+
+    def _init_group(self, kwargs):
+        return self.updater.init_weights_update_group(**kwargs)
+
+    def _distributed(self, kwargs):
+        weights = self.updater.receive_weights_from_distributed(**kwargs)
+        self.loaded_names += [n for n, _ in weights]
+        self.loaded_in_session = True
+        return self.updater.load_weights_from_distributed(weights)
+
+    def _disk(self, path):
+        return self.updater.update_weights_from_disk(path, load_format="auto")
 
     def begin_weight_update(self):
         self._call("begin")
@@ -95,6 +136,17 @@ class ThreadedEngine:
 
     def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=True):
         self._call("tensor", payloads, load_format)
+
+    def init_weights_update_group(self, **kwargs):
+        self._call("init_group", kwargs)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format=None,
+                                        flush_cache=True):
+        self._call("distributed", dict(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                                       load_format=load_format))
+
+    def update_weights_from_disk(self, model_path):
+        self._call("disk", model_path)
 
     def stop(self):
         if self.rank == 0:
@@ -129,18 +181,44 @@ def _tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _case(rank, root, fam, trainer, tp, ep):
+def _transport(kind: str, engine, plan, root: str, hf_dir: str):
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    from mcore_rl.parallel import free_port
+    from mcore_rl.sync import transports
+
+    if kind == "ipc":
+        return transports.CudaIpcTransport(engine, plan.engine_rank_of, serializer=_cpu_serialize,
+                                           meta_cls=FlattenedTensorMetadata)
+    if kind == "disk":
+        return transports.DiskTransport(engine, os.path.join(root, "disk_sync"), hf_dir=hf_dir)
+    group = None
+    if engine.rank == 0:  # the driver; the engine ranks join on their side (ThreadedEngine)
+        group = transports.open_update_group(engine, "127.0.0.1", free_port(), plan.engine.tp_size,
+                                             backend="gloo")
+    return transports.NcclBroadcastTransport(engine, group)
+
+
+def _sglang_model(hf_dir: str, scale: float | None = None):
+    """SGLang's model loaded from the HF files (times `scale`), or uninitialised (scale None)."""
+    from safetensors.torch import load_file
+
+    model = sglang_reference.build_model(hf_dir)
+    if scale is not None:
+        files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+        model.load_weights([(n, t * scale) for f in files for n, t in load_file(f).items()])
+    return model
+
+
+def _case(rank, root, fam, trainer, tp, ep, kind):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from safetensors.torch import load_file
     from sglang.srt.distributed import parallel_state as sps
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     from mcore_rl.checkpoint import load_model
     from mcore_rl.models import build_model, transformer_config
     from mcore_rl.parallel import init_distributed
     from mcore_rl.sync import LiveShards, sync_weights
-    from mcore_rl.sync.transports import CudaIpcTransport
 
     hf_dir = os.path.join(root, fam, "hf")
     hf = HFModel.from_dir(hf_dir)
@@ -149,27 +227,35 @@ def _case(rank, root, fam, trainer, tp, ep):
     load_model(model, os.path.join(root, fam, "ckpt"))
 
     sglang_reference.init_sglang_parallel(rank, 2, tp, ep, hf_dir)
-    reference = sglang_reference.build_model(hf_dir)
-    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    reference.load_weights([kv for f in files for kv in load_file(f).items()])
-    synced = sglang_reference.build_model(hf_dir)
-
-    plan = SyncPlan.build(hf, trainer, 2, EngineLayout(tp, ep, 1, tp), {0: 0, 1: 1}, BUCKET, torch.float32)
+    synced = _sglang_model(hf_dir)
+    feed = {0: 0, 1: 1} if kind == "ipc" else single_source(0)
+    plan = SyncPlan.build(hf, trainer, 2, EngineLayout(tp, ep, 1, tp), feed, BUCKET, torch.float32)
     plan.check_complete()
-    engine = ThreadedEngine(synced, rank, dist.new_group(backend="gloo"))
-    transport = CudaIpcTransport(engine, plan.engine_rank_of, serializer=_cpu_serialize,
-                                 meta_cls=FlattenedTensorMetadata)
-    stats = sync_weights(plan, LiveShards(model, plan), transport)
+    engine = ThreadedEngine(synced, rank, dist.new_group(backend="gloo"), hf_dir)
+    transport = _transport(kind, engine, plan, root, hf_dir)
+    rounds = []
+    for scale in (1.0, 2.0) if kind == "disk" else (1.0,):  # disk: a second sync must replace the first
+        shards = LiveShards(model, plan)
+        with torch.no_grad():
+            for t in shards.local.values():  # what the sync reads: parameters and the router's expert bias
+                t.mul_(scale)
+        engine.loaded_names.clear()
+        stats = sync_weights(plan, shards, transport)
+        ref, got = _tensors(_sglang_model(hf_dir, scale=2.0 if rounds else 1.0)), _tensors(synced)
+        differ = sorted(n for n in ref if n not in got or not torch.equal(ref[n], got[n]))
+        rounds.append(dict(tensors=len(ref), differ=differ[:10], n_differ=len(differ)))
     engine.stop()
-
-    ref, got = _tensors(reference), _tensors(synced)
-    differ = sorted(n for n in ref if n not in got or not torch.equal(ref[n], got[n]))
+    if kind == "broadcast":
+        engine.updater.destroy_weights_update_group("weight_update_group")
     experts = sorted({int(n.split(".")[5]) for n in engine.loaded_names if ".mlp.experts." in n})
     sps.destroy_model_parallel()
     ps.destroy_model_parallel()
-    return dict(tensors=len(ref), differ=differ[:10], n_differ=len(differ), buckets=stats["buckets"],
-                bytes=stats["bytes"], experts=experts, loaded=len(engine.loaded_names),
-                payload=plan.payload_names(rank))
+    out = dict(rounds=rounds, buckets=stats["buckets"], bytes=stats["bytes"], experts=experts,
+               loaded=sorted(engine.loaded_names), payload=sorted(plan.payload_names(rank)),
+               all_tensors=sorted(plan.tensors))
+    if kind == "disk":
+        out["disk_versions"] = sorted(os.listdir(os.path.join(root, "disk_sync")))
+    return out
 
 
 def _bucket_format_matches_sglang() -> dict:
@@ -196,8 +282,8 @@ def _worker(rank, root, out):
     if rank == 0:
         with open(os.path.join(out, "bucket_format.json"), "w") as f:
             json.dump(_bucket_format_matches_sglang(), f)
-    for name, (fam, trainer, tp, ep) in CASES.items():
-        r = _case(rank, root, fam, trainer, tp, ep)
+    for name, (fam, trainer, tp, ep, kind) in CASES.items():
+        r = _case(rank, root, fam, trainer, tp, ep, kind)
         with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(r, f)
 
@@ -211,11 +297,24 @@ def synced(models, tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_sync_is_bit_exact_against_sglang_loading_hf(synced, case):
+    kind = CASES[case][-1]
     for rank in (0, 1):
         r = synced[f"{case}.rank{rank}"]
-        assert r["n_differ"] == 0 and r["tensors"] > 10, (case, rank, r["differ"])
+        for i, rnd in enumerate(r["rounds"]):
+            assert rnd["n_differ"] == 0 and rnd["tensors"] > 10, (case, rank, i, rnd["differ"])
         assert r["buckets"] > 3, r  # the small bucket size forced real bucketing
-        assert r["loaded"] == len(r["payload"])
+        if kind == "ipc":  # each engine rank loads its own payload
+            assert r["loaded"] == r["payload"]
+        elif kind == "broadcast":  # every engine rank receives every tensor of the single source
+            assert r["loaded"] == r["all_tensors"]
+            assert r["payload"] == (r["all_tensors"] if rank == 0 else [])
+
+
+def test_disk_sync_keeps_only_the_version_the_engine_loaded(synced):
+    for rank in (0, 1):
+        r = synced[f"ds_tp2_disk.rank{rank}"]
+        assert len(r["rounds"]) == 2  # the second sync (weights doubled) matched SGLang loading 2 x HF
+        assert r["disk_versions"] == ["v000001"]
 
 
 def test_our_bucket_format_is_sglangs(synced):

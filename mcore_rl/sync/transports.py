@@ -6,8 +6,8 @@
 - NcclBroadcastTransport: engines on other GPUs. The driver broadcasts each flattened bucket over a
   group it shares with every engine rank (`init_weights_update_group` /
   `update_weights_from_distributed(load_format="flattened_bucket")`).
-- DiskTransport: the fallback. The driver writes sharded HF safetensors atomically and calls
-  `update_weights_from_disk`.
+- DiskTransport: the fallback. The driver writes sharded HF safetensors atomically (a new
+  version directory per sync) and calls `update_weights_from_disk`.
 All engine calls sit between `begin_weight_update()` and `end_weight_update()` (SGLang 0.5.23).
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import shutil
 import threading
 from multiprocessing.reduction import ForkingPickler
 
@@ -88,8 +90,30 @@ class CudaIpcTransport(Transport):
         dist.barrier(group=self.group)  # the engine has copied out of every rank's buffer
 
 
+class _Concurrently:
+    """Run one engine call in a thread while this thread does the matching collective; join()
+    re-raises the call's error (an engine that refused must not look like a finished update)."""
+
+    def __init__(self, fn, **kwargs):
+        self.error = None
+        self.thread = threading.Thread(target=self._run, args=(fn, kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, kwargs):
+        try:
+            fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 class NcclBroadcastTransport(Transport):
-    """The driver (rank `driver` of the trainer) is rank 0 of `update_group`; engine ranks 1..tp."""
+    """The driver (rank `driver` of the trainer) is rank 0 of `update_group`; engine ranks 1..tp.
+    Any backend works: NCCL on GPUs, gloo on CPU (the group decides)."""
 
     def __init__(self, engine, update_group, group_name: str = "weight_update_group", driver: int = 0):
         super().__init__(engine, driver)
@@ -99,11 +123,11 @@ class NcclBroadcastTransport(Transport):
         if not self.is_driver:
             return
         flat, metas = flatten(named)
-        call = threading.Thread(target=self.engine.update_weights_from_distributed, kwargs=dict(
+        call = _Concurrently(  # the engine posts its receive while we broadcast
+            self.engine.update_weights_from_distributed,
             names=[m.name for m in metas], dtypes=[str(m.dtype).removeprefix("torch.") for m in metas],
             shapes=[list(m.shape) for m in metas], group_name=self.group_name,
-            load_format="flattened_bucket", flush_cache=last))
-        call.start()  # the engine posts its receive while we broadcast
+            load_format="flattened_bucket", flush_cache=last)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.group.broadcast([flat], opts).wait()
@@ -111,28 +135,61 @@ class NcclBroadcastTransport(Transport):
 
 
 def update_group(master_address: str, master_port: int, world_size: int, rank: int = 0,
-                 backend: str = "nccl"):
-    """The trainer's end of SGLang's weight-update group (engine ranks join with rank_offset=1)."""
+                 backend: str = "nccl", group_name: str = "weight_update_group"):
+    """The trainer's end of SGLang's weight-update group (engine ranks join with rank_offset=1).
+
+    The store keys must be the ones SGLang's side uses: its init_custom_process_group goes through
+    torch's own path, which nests PrefixStore(group_name), PrefixStore(group_name + "/") and
+    PrefixStore(device + "/") over the tcp:// rendezvous store. Built from the public classes here,
+    so this process may also host an engine rank that registers the same group name.
+    """
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r}: use 'nccl' (GPUs) or 'gloo' (CPU)")
+    device = next(iter(BackendConfig(Backend(backend)).get_device_backend_map()))
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0)
+    store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size)
     return dist.ProcessGroupGloo(store, rank, world_size)
 
 
+def open_update_group(engine, master_address: str, master_port: int, engine_ranks: int,
+                      backend: str = "nccl", group_name: str = "weight_update_group"):
+    """Form the weight-update group with the engine: its ranks join (in a thread here, since the
+    call returns only once the group exists) while this process joins as rank 0."""
+    call = _Concurrently(engine.init_weights_update_group, master_address=master_address,
+                         master_port=master_port, rank_offset=1, world_size=1 + engine_ranks,
+                         group_name=group_name, backend=backend)
+    try:
+        group = update_group(master_address, master_port, 1 + engine_ranks, 0, backend, group_name)
+    finally:
+        call.join()
+    return group
+
+
 class DiskTransport(Transport):
-    """Sharded HF safetensors under `out` (atomic rename), then update_weights_from_disk."""
+    """Each sync writes sharded HF safetensors to a new version directory `out/vNNNNNN` (atomic
+    rename), the engine loads it with update_weights_from_disk, then older versions are removed."""
 
     def __init__(self, engine, out: str, hf_dir: str | None = None, driver: int = 0,
                  max_shard_bytes: int = 5 << 30):
         super().__init__(engine, driver)
-        self.out, self.hf_dir, self.max = out, hf_dir, max_shard_bytes
-        self._ctx = self._writer = None
+        self.out, self.hf_dir, self.max = os.path.abspath(out), hf_dir, max_shard_bytes
+        self.path = self._ctx = self._writer = None
+
+    def _versions(self) -> list[str]:
+        names = os.listdir(self.out) if os.path.isdir(self.out) else []
+        return sorted(n for n in names if _VERSION.fullmatch(n))
 
     def begin(self):
         from converters.hf_io import ShardedWriter, atomic_dir
 
         if self.is_driver:
-            self._ctx = atomic_dir(self.out)
+            last = self._versions()
+            self.path = os.path.join(self.out, f"v{int(last[-1][1:]) + 1 if last else 0:06d}")
+            self._ctx = atomic_dir(self.path)
             self._writer = ShardedWriter(self._ctx.__enter__(), self.max)
         super().begin()
 
@@ -148,5 +205,11 @@ class DiskTransport(Transport):
             if self.hf_dir:
                 copy_side_files(self.hf_dir, self._writer.out)
             self._ctx.__exit__(None, None, None)
-            self.engine.update_weights_from_disk(os.path.abspath(self.out))
+            self.engine.update_weights_from_disk(self.path)
+            for old in self._versions():  # the engine has read the new version
+                if os.path.join(self.out, old) != self.path:
+                    shutil.rmtree(os.path.join(self.out, old))
         super().end()
+
+
+_VERSION = re.compile(r"v\d{6}")
