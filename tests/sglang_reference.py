@@ -1,11 +1,10 @@
 """SGLang 0.5.23's own model, loader and weight-sync classes as an independent reference in tests.
 
 SGLang cannot live in the main venv (it pins torch 2.14.1 and transformers 5.19), so unless
-`import sglang` already works we pip-install the pinned wheel and the light modules its model code
-imports, all with --no-deps, into a side directory appended (not prepended) to sys.path.
-MCORE_RL_SGLANG_DIR chooses the directory (CI can pre-populate it); MCORE_RL_NO_SGLANG_INSTALL=1
-forbids the install and skips instead; MCORE_RL_REQUIRE_SGLANG=1 turns a skip into a failure.
-`python -m tests.sglang_reference` installs and imports up front, exiting non-zero on failure.
+`import sglang` already works, the pinned wheel and the light modules its model code imports are
+installed on the side by tests/side_install.py (environment variables and the fail-by-default
+policy are described there; <NAME> is SGLANG). `python -m tests.sglang_reference` installs and
+imports up front, exiting non-zero on failure.
 
 torchvision is left out on purpose: PyPI's wheel is a CUDA build that cannot load beside CPU
 torch ("operator torchvision::nms does not exist"). Only SGLang's multimodal processors use it,
@@ -15,57 +14,28 @@ transformers has cached "torchvision is not available".
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.machinery
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import types
 
-import pytest
+from tests.side_install import SideInstall
 
 SGLANG_VERSION = "0.5.23"
 # what sglang.srt.models.{deepseek_v2,qwen2} import beyond the main venv (found by importing)
-SIDE_PACKAGES = [f"sglang=={SGLANG_VERSION}", "triton==3.9.0", "orjson==3.13.0", "pybase64==1.5.1",
-                 "starlette==1.10.0", "msgspec==0.22.0", "pyzmq==27.3.0", "ipython==9.18.1",
-                 "traitlets==5.16.1", "dill==0.4.1", "apache-tvm-ffi==0.1.15.post2", "sentencepiece==0.2.3",
-                 "einops==0.8.2", "compressed-tensors==0.20.0", "loguru==0.7.3", "gguf==0.19.0",
-                 "openai==3.54.0", "sniffio==1.3.1", "partial-json-parser==0.2.1.1.post7",
-                 "uvicorn==0.54.0", "fastapi==0.165.0"]
+SIDE = SideInstall("sglang", SGLANG_VERSION, (
+    f"sglang=={SGLANG_VERSION}", "triton==3.9.0", "orjson==3.13.0", "pybase64==1.5.1",
+    "starlette==1.10.0", "msgspec==0.22.0", "pyzmq==27.3.0", "ipython==9.18.1",
+    "traitlets==5.16.1", "dill==0.4.1", "apache-tvm-ffi==0.1.15.post2", "sentencepiece==0.2.3",
+    "einops==0.8.2", "compressed-tensors==0.20.0", "loguru==0.7.3", "gguf==0.19.0",
+    "openai==3.54.0", "sniffio==1.3.1", "partial-json-parser==0.2.1.1.post7",
+    "uvicorn==0.54.0", "fastapi==0.165.0"), probe="sglang.srt")
 ABSENT = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
           "torchvision.transforms.v2", "torchvision.transforms.v2.functional")
 # fields DeepSeek-V3 hub configs carry that transformers' DeepseekV3Config no longer writes
 HUB_DEFAULTS = {"deepseek_v3": dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid"),
                 "deepseek_v2": dict(moe_layer_freq=1, topk_method="greedy", scoring_func="softmax")}
-
-
-def side_dir() -> str:
-    return os.environ.get("MCORE_RL_SGLANG_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                 f"mcore_rl_sglang_{SGLANG_VERSION}")
-
-
-def _install(target: str) -> str | None:
-    if os.environ.get("MCORE_RL_NO_SGLANG_INSTALL") == "1":
-        return "MCORE_RL_NO_SGLANG_INSTALL=1"
-    staging = f"{target}.partial-{os.getpid()}"  # renamed into place only when complete
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-           "--target", staging, *SIDE_PACKAGES]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        return f"{type(e).__name__}: {e}"
-    if proc.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        return proc.stderr.strip()[-2000:]
-    try:
-        os.rename(staging, target)
-    except OSError:  # another process finished first
-        shutil.rmtree(staging, ignore_errors=True)
-    return None
 
 
 class _Absent(types.ModuleType):
@@ -93,25 +63,13 @@ def _stand_in_torchvision():
             sys.modules[name] = mod
 
 
-@functools.lru_cache(maxsize=None)
-def _import(module: str):
-    try:
-        importlib.import_module("sglang.srt")
-    except ImportError:
-        target = side_dir()
-        if not os.path.isdir(os.path.join(target, "sglang")):
-            error = _install(target)
-            if error:
-                return None, f"could not pip-install sglang=={SGLANG_VERSION} into {target}: {error}"
-        if target not in sys.path:
-            sys.path.append(target)
+def _cpu_ready_sglang():
     _stand_in_torchvision()
-    try:
-        mod = importlib.import_module(module)
-        importlib.import_module("sglang.srt.layers.rotary_embedding.base")._is_cpu = True
-        return mod, None
-    except Exception as e:  # noqa: BLE001 - any import failure means "no reference here"
-        return None, f"cannot import {module}: {type(e).__name__}: {e}"
+    importlib.import_module("sglang.srt.layers.rotary_embedding.base")._is_cpu = True  # as its CPU layer tests
+
+
+def _import(module: str):
+    return SIDE.load(module, prepare=_cpu_ready_sglang)
 
 
 REFERENCE_MODULES = ("sglang.srt.models.deepseek_v2", "sglang.srt.models.qwen2",
@@ -119,13 +77,9 @@ REFERENCE_MODULES = ("sglang.srt.models.deepseek_v2", "sglang.srt.models.qwen2",
 
 
 def sglang_module(module: str):
-    """Import an SGLang module (installing SGLang on the side if needed), or skip the calling test."""
-    mod, reason = _import(module)
-    if mod is None:
-        if os.environ.get("MCORE_RL_REQUIRE_SGLANG") == "1":
-            pytest.fail(f"MCORE_RL_REQUIRE_SGLANG=1 but {reason}")
-        pytest.skip(reason)
-    return mod
+    """Import an SGLang module (installing SGLang on the side if needed), or fail the calling test
+    (skip it under MCORE_RL_NO_SIDE_INSTALL=1)."""
+    return SIDE.require(module, prepare=_cpu_ready_sglang)
 
 
 def available() -> str | None:
@@ -175,10 +129,4 @@ def build_model(hf_dir: str):
 
 
 if __name__ == "__main__":
-    import time
-
-    t = time.time()
-    reason = available()
-    if reason:
-        sys.exit(reason)
-    print(f"{side_dir()} ready in {time.time() - t:.0f} s")
+    SIDE.main(REFERENCE_MODULES, prepare=_cpu_ready_sglang)

@@ -39,7 +39,7 @@ BUCKET = 48 << 10  # small, so every model needs many buckets
 def models(tmp_path_factory):
     reason = sglang_reference.available()
     if reason:
-        sglang_reference.sglang_module("sglang.srt")  # skips, or fails under MCORE_RL_REQUIRE_SGLANG
+        sglang_reference.SIDE.unavailable(reason)  # fails (skips under MCORE_RL_NO_SIDE_INSTALL=1)
     root = tmp_path_factory.mktemp("sync")
     for fam in {c[0] for c in CASES.values()}:
         make_hf_model(fam, str(root / fam / "hf"))
@@ -241,6 +241,7 @@ def _case(rank, root, fam, trainer, tp, ep, kind):
                 t.mul_(scale)
         engine.loaded_names.clear()
         stats = sync_weights(plan, shards, transport)
+        dist.barrier()  # single source: other ranks return at once, while their engine thread still loads
         ref, got = _tensors(_sglang_model(hf_dir, scale=2.0 if rounds else 1.0)), _tensors(synced)
         differ = sorted(n for n in ref if n not in got or not torch.equal(ref[n], got[n]))
         rounds.append(dict(tensors=len(ref), differ=differ[:10], n_differ=len(differ)))
