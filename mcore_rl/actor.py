@@ -75,7 +75,7 @@ class MegatronActor:
         self.critic = None
         if cfg["critic"]["enabled"]:
             self._build_critic(cfg, tcfg, init.get("critic"))
-        self.model, self.opt = optim.wrap(self.model, tcfg, a)
+        self.model, self.opt = optim.wrap(self.model, tcfg, a, cfg["memory"]["grad_fp32"])
         self.updates = 0
 
     def _build_critic(self, cfg, tcfg, init_ckpt):
@@ -93,7 +93,7 @@ class MegatronActor:
             critic.load_trunk(model, init_ckpt)
         else:
             critic.copy_trunk(self.model, model)
-        self.critic, self.critic_opt = optim.wrap(model, tcfg, c)
+        self.critic, self.critic_opt = optim.wrap(model, tcfg, c, cfg["memory"]["grad_fp32"])
 
     # ---- lockstep helpers -----------------------------------------------------------------------
     def _dp_slice(self, n: int) -> slice:

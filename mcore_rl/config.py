@@ -90,7 +90,7 @@ class MemoryConfig:
     reserved_gb: float = 4.0  # per GPU outside both models: CUDA contexts, NCCL, fragmentation
     offload_train_states: bool = True  # Megatron params/grads/optimizer to CPU while the engine runs
     distributed_optimizer: bool = True  # optimizer states sharded over data parallel ranks
-    grad_fp32: bool = False  # gradients kept in fp32
+    grad_fp32: bool = True  # grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)
     recompute_activations: bool = False
     saver_hook_mode: Literal["preload", "torch"] = "preload"  # torch: CUDA graphs cannot be released
     auto_mem_fraction: bool = True  # pick rollout.mem_fraction_static; false: check the configured one

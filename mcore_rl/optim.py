@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 
-def wrap(model, tcfg, section: dict):
+def wrap(model, tcfg, section: dict, grad_fp32: bool = True):
     """(DDP-wrapped model, megatron optimizer) for `model`; `section` holds lr, weight_decay,
     grad_clip and optionally use_distributed_optimizer (the actor or critic config). Without the
     distributed optimizer grads are all-reduced and every DP rank keeps the whole state."""
@@ -22,7 +22,7 @@ def wrap(model, tcfg, section: dict):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed), model)
+        grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=distributed), model)
     opt = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=section["lr"], weight_decay=section["weight_decay"],
         adam_beta1=0.9, adam_beta2=0.999, adam_eps=section.get("adam_eps", 1e-8),

@@ -16,8 +16,9 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                layer (balanced routing: each rank of the EP group gets its share of the T / tp
                tokens every TP rank holds under sequence parallelism).
                Full recompute keeps 2 * T * h / tp per layer plus one layer's full set. 1F1B keeps
-               pp - s micro-batches in flight on stage s; the last stage adds T * V / tp * 10
-               (bf16 logits, fp32 log-softmax and its gradient).
+               pp - s micro-batches in flight on stage s; the last stage adds T * V * 10 (the
+               actor gathers full-vocabulary logits on every TP rank: bf16 logits, fp32
+               log-softmax and its gradient).
 Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
   weights    = the rank's tensors in SGLang's layout (`layout.engine_tensors`): vocab-split
                embeddings/lm_head, replicated q_a/kv_a, experts E/ep per rank split over moe_tp,
@@ -88,7 +89,7 @@ class PlanInputs:
     sync_bucket: int = 512 * MiB
     offload_train_states: bool = True
     distributed_optimizer: bool = True
-    grad_fp32: bool = False
+    grad_fp32: bool = True
     recompute: bool = False
     hook_mode: str = "preload"
 
@@ -191,7 +192,7 @@ def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
         stored = sum(full(x) for x in layers)
     total = (i.pp - stage) * stored
     if stage == i.pp - 1:
-        total += T * hf.vocab_size // i.tp * 10
+        total += T * hf.vocab_size * 10
     return total
 
 

@@ -52,20 +52,15 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _packed(self, query, key, value, psp, dropout):
-        # THD: [t, h, d] (or [t, 1, h, d]); one causal block per sequence.
+        # THD: [t, h, d] (or [t, 1, h, d]); one causal attention per sequence, so memory stays
+        # linear in the packed length (a mask over the whole pack would be quadratic in it)
         squeeze = query.dim() == 4
-        q, k, v = (t.squeeze(1) if squeeze else t for t in (query, key, value))
-        cu = psp.cu_seqlens_q
-        t = q.shape[0]
-        seg = torch.zeros(t, dtype=torch.long, device=q.device)
-        seg[cu[1:-1].long()] = 1
-        seg = seg.cumsum(0)
-        pos = torch.arange(t, device=q.device)
-        allowed = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed,
-            dropout_p=dropout, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
-        out = out.transpose(0, 1).reshape(t, -1)
+        q, k, v = (t.squeeze(1).transpose(0, 1) if squeeze else t.transpose(0, 1) for t in (query, key, value))
+        bounds = psp.cu_seqlens_q.tolist()
+        out = torch.cat([F.scaled_dot_product_attention(
+            q[:, a:b], k[:, a:b], v[:, a:b], dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
+            enable_gqa=k.shape[0] != q.shape[0]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=1)
+        out = out.transpose(0, 1).reshape(q.shape[1], -1)
         return out.unsqueeze(1) if squeeze else out
 
 
