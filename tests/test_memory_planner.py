@@ -139,7 +139,7 @@ def test_activations_follow_the_documented_estimate():
     T, H, tp = 8192, c["hidden_size"], 2
     i = PlanInputs(capacity=80 * GiB, world=16, tp=tp, ep=8, micro_tokens=T)
     moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
-    want = 27 * 34 * T * H // tp + 26 * moe + T * c["vocab_size"] * 10
+    want = 27 * 106 * T * H // tp + 26 * moe + T * c["vocab_size"] * 10
     assert trainer_bytes(hf, i, 0)["megatron activations"] == want
 
 

@@ -10,8 +10,11 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                o = 4 (fp32 main params, only when b != 4) + 8 (Adam's two fp32 moments),
                dp = world / (tp * pp), edp = world / (pp * ep * etp) (expert data parallel)
   activations, T = tokens per micro-batch (micro_batch_size * (prompt + response), or
-               ppo_max_token_len_per_gpu with dynamic batching); per layer 34 * T * h / tp
-               (Korthikanti et al. 2022, bf16, sequence parallel, no s^2 term: SDPA/flash attention)
+               ppo_max_token_len_per_gpu with dynamic batching); per layer ACT * T * h / tp with
+               ACT = 106, measured on H200 at Moonlight widths (TP2xEP4 27 layers and TP1xEP4 16
+               layers both within 1 %, benchmarks/RESULTS.md). Korthikanti et al.'s 34 (bf16,
+               sequence parallel, no s^2 term with SDPA/flash) assumes MHA with bf16 norms; MLA's
+               wider q/k/v and the fp32 RMSNorm temporaries add about 70 bytes per token and h
                plus T * topk / tp * (2h + 3 * I_moe / etp) * 2 for the routed experts of an MoE
                layer (balanced routing: each rank of the EP group gets its share of the T / tp
                tokens every TP rank holds under sequence parallelism).
@@ -65,6 +68,9 @@ class PlanError(RuntimeError):
         super().__init__(f"memory plan refused: phase '{phase}' is short by {shortfall / GiB:.2f} GiB "
                          f"per GPU{need}")
 
+
+
+ACT = 106  # activation bytes per token and hidden unit per layer (see the docstring)
 
 @dataclass(frozen=True)
 class PlanInputs:
@@ -181,7 +187,7 @@ def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
     layers = stage_layers(hf, i.pp)[stage]
 
     def full(layer: int) -> int:
-        a = 34 * T * h // i.tp
+        a = ACT * T * h // i.tp
         if hf.is_moe_layer(layer):
             a += T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
         return a
