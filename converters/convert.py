@@ -11,10 +11,10 @@ import re
 import torch
 from tqdm import tqdm
 
-from converters.hf_io import (CheckpointError, HFCheckpoint, ShardedWriter, atomic_dir,
-                              copy_side_files)
+from converters.hf_io import CheckpointError, HFCheckpoint, atomic_dir, copy_side_files
 from converters.mappings import mapping_for
 from converters.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, write_torch_dist
+from converters.planned_writer import Planned, PlannedWriter
 from mcore_rl.models.config import HFModel, validate_layout
 
 log = logging.getLogger("converters")
@@ -87,12 +87,16 @@ def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: st
     cast = DTYPES[dtype] if dtype else None
     total = sum(reader.metadata.state_dict_metadata[k].size.numel() for e in reader.entries.values()
                 for k in e.keys)
+    # every output tensor's name, shape and dtype is known from metadata: shard headers are
+    # written first and each tensor goes straight to its place (memory: one read batch)
+    plan = [Planned(name, tuple(x.shape), cast or x.dtype) for param, meta in reader.meta_params()
+            for name, x in param.to_hf(hf, meta).items()]
     with atomic_dir(out) as tmp, _bar(total, "mcore -> hf", unit=" params") as bar:
-        writer = ShardedWriter(tmp, max_shard_bytes)
+        writer = PlannedWriter(tmp, plan, max_shard_bytes)
         for param, t in reader.params():
             bar.update(t.numel())
             for name, x in param.to_hf(hf, t).items():
-                writer.add(name, x if cast is None else x.to(cast))
+                writer.write(name, x if cast is None else x.to(cast))
         writer.close()
         copy_side_files(side, tmp)
         _write_config(hf, tmp)

@@ -172,11 +172,9 @@ class TorchDistReader:
         def flush():
             loaded = self._load([k for e in batch for k in e.keys])
             for e in batch:
-                parts = [loaded.pop(k) for k in e.keys]
-                yield e.param, (parts[0] if e.factory is None else e.factory.merge_fn(parts))
+                yield e.param, _merged(e, [loaded.pop(k) for k in e.keys])
 
-        order = {p.mcore: i for i, p in enumerate(mapping_for(self.hf).params(self.hf))}
-        for e in sorted(self.entries.values(), key=lambda e: order[e.param.mcore]):
+        for e in self._ordered():
             batch.append(e)
             size += sum(_nbytes(stored[k]) for k in e.keys)
             if size >= max_bytes:
@@ -184,6 +182,21 @@ class TorchDistReader:
                 batch, size = [], 0
         if batch:
             yield from flush()
+
+    def meta_params(self) -> Iterator[tuple[Param, torch.Tensor]]:
+        """(param, meta tensor) in the order of params(): shapes and dtypes, no data read."""
+        stored = self.metadata.state_dict_metadata
+        for e in self._ordered():
+            yield e.param, _merged(e, [torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype,
+                                                   device="meta") for k in e.keys])
+
+    def _ordered(self) -> list:
+        order = {p.mcore: i for i, p in enumerate(mapping_for(self.hf).params(self.hf))}
+        return sorted(self.entries.values(), key=lambda e: order[e.param.mcore])
+
+
+def _merged(entry, parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if entry.factory is None else entry.factory.merge_fn(parts)
 
 
 class _SpreadFileSystem(FileSystem):

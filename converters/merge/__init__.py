@@ -18,7 +18,7 @@ from converters.merge import lora
 from converters.merge.fsdp import FSDPCheckpoint
 from converters.merge.megatron import locate_checkpoint
 from converters.merge.validate import ValidationFailed, checker
-from converters.merge.writer import Planned, PlannedWriter
+from converters.planned_writer import Planned, PlannedWriter
 
 log = logging.getLogger("converters.merge")
 BACKENDS = ("fsdp", "megatron")
