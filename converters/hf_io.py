@@ -11,13 +11,20 @@ from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt",
               "added_tokens.json", "chat_template.jinja")
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+ST_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 class CheckpointError(ValueError):
@@ -63,15 +70,18 @@ class HFCheckpoint:
         if missing:
             raise CheckpointError(f"{path}: missing safetensors shard(s): {', '.join(missing)}")
         self.meta: dict[str, dict] = {}
+        self._data_start: dict[str, int] = {}
         for fname in self.files:
-            for k, v in _header(os.path.join(path, fname)).items():
+            header = _header(os.path.join(path, fname))
+            with open(os.path.join(path, fname), "rb") as f:
+                self._data_start[fname] = 8 + struct.unpack("<Q", f.read(8))[0]
+            for k, v in header.items():
                 if k != "__metadata__":
                     self.meta[k] = {**v, "file": fname}
         absent = sorted(k for k, f in weight_map.items() if k not in self.meta)
         if absent:
             raise CheckpointError(f"{path}: index lists tensors absent from their shard: {absent[:5]}")
         self.block_size = block_size or (128, 128)
-        self._handles: dict[str, object] = {}
 
     def names(self) -> list[str]:
         return list(self.meta)
@@ -86,10 +96,17 @@ class HFCheckpoint:
     def _raw(self, name: str) -> torch.Tensor:
         if name not in self.meta:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
-        fname = self.meta[name]["file"]
-        if fname not in self._handles:
-            self._handles[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
-        return self._handles[fname].get_tensor(name)
+        # a positioned read into a fresh tensor, not an mmap: pages of files already read would
+        # stay mapped into this process and its resident memory would grow to the model's size
+        m = self.meta[name]
+        t = torch.empty(m["shape"], dtype=ST_DTYPES[m["dtype"]])
+        a, b = m["data_offsets"]
+        with open(os.path.join(self.path, m["file"]), "rb", buffering=0) as f:
+            f.seek(self._data_start[m["file"]] + a)
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            if f.readinto(view) != b - a:
+                raise CheckpointError(f"{self.path}/{m['file']}: short read of {name}")
+        return t
 
     def get(self, name: str) -> torch.Tensor:
         t = self._raw(name)
@@ -99,7 +116,7 @@ class HFCheckpoint:
         return t
 
     def close(self):
-        self._handles.clear()
+        pass  # no handles are kept open
 
 
 def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

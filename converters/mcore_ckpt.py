@@ -99,10 +99,18 @@ def write_torch_dist(hf: HFModel, produce: Callable[[Param], torch.Tensor], out:
     cache: dict[str, list] = {}
 
     class LazyPlanner(MCoreSavePlanner):
+        written = None
+
         def resolve_data(self, item):
+            # torch's FileSystemWriter keeps a reference to every tensor it has written; with its
+            # serial loader (per_thread_copy_ahead=0) the previous tensor is on disk when the next
+            # one is asked for, so its storage is released here: memory stays at a few tensors
+            if self.written is not None:
+                self.written.untyped_storage().resize_(0)
             e, i = by_key[item.index.fqn]
             if e.param.mcore not in cache:
-                full = produce(e.param).to(dtype)
+                # the skeleton's dtype: `dtype` for parameters, fp32 for buffers such as the expert bias
+                full = produce(e.param).to(item.tensor_data.properties.dtype)
                 if e.factory is None:
                     parts = [full]
                 else:
@@ -115,9 +123,11 @@ def write_torch_dist(hf: HFModel, produce: Callable[[Param], torch.Tensor], out:
                 del cache[e.param.mcore]
             if progress is not None:
                 progress.update(t.numel() * t.element_size())
+            self.written = t
             return t
 
-    writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, sync_files=False)
+    writer = FileSystemWriter(out, single_file_per_rank=True, thread_count=1, sync_files=False,
+                              per_thread_copy_ahead=0)
     dcp_save(pyt, storage_writer=writer, planner=LazyPlanner(dedup_replicated_tensors=False,
                                                              flatten_state_dict=False))
     torch.save({}, os.path.join(out, "common.pt"))

@@ -14,13 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from converters.hf_io import INDEX, CheckpointError
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
+from converters.hf_io import INDEX, SAFETENSORS_DTYPES, CheckpointError
 
 
 @dataclass(frozen=True)
