@@ -58,7 +58,8 @@ class MegatronActor:
         self.hf_dir = hf_dir
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["model"]["dtype"]]
         bias = {"moe_router_bias_update_rate": cfg["actor"]["router_bias_update_rate"]} if self.hf.num_experts else {}
-        tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"], dtype=dtype, **bias)
+        tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"], dtype=dtype,
+                                  recompute=cfg["memory"]["recompute_activations"], **bias)
         self.model = build_model(self.hf, tcfg)
         # batches arrive and results leave on the host; the model's device does the work
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

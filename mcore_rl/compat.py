@@ -101,6 +101,14 @@ def _rng_tracker_cpu():
     tensor_parallel.random.model_parallel_cuda_manual_seed = seed
 
 
+def _recompute_rng_cpu():
+    from megatron.core.tensor_parallel import random
+
+    # the CPU generator is saved and restored beside it already: the "CUDA" state is a stand-in
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
 def _optimizer_param_types_cpu():
     """megatron's optimizers sort parameters (and check grads) by `.type()` names of CUDA tensors
     ('torch.cuda.FloatTensor'); inside those calls, CPU tensors answer with those names."""
@@ -172,6 +180,8 @@ PATCHES = (
           cpu_only=True),
     Patch("cpu_tied_embeddings", "tied embeddings are moved to CUDA to be all-reduced between the "
           "first and last pipeline stage", _tied_embeddings_cpu, cpu_only=True),
+    Patch("cpu_recompute_rng", "activation recompute saves and restores the CUDA RNG state",
+          _recompute_rng_cpu, cpu_only=True),
     Patch("cpu_optimizer_param_types", "megatron's (distributed) optimizer accepts only parameters "
           "whose .type() names a CUDA tensor", _optimizer_param_types_cpu, cpu_only=True),
 )

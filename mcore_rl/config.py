@@ -89,7 +89,6 @@ class MemoryConfig:
     gpu_memory_gb: float | None = None  # plan for this much per GPU; null: NVML's free memory
     reserved_gb: float = 4.0  # per GPU outside both models: CUDA contexts, NCCL, fragmentation
     offload_train_states: bool = True  # Megatron params/grads/optimizer to CPU while the engine runs
-    distributed_optimizer: bool = True  # optimizer states sharded over data parallel ranks
     grad_fp32: bool = True  # grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)
     recompute_activations: bool = False
     saver_hook_mode: Literal["preload", "torch"] = "preload"  # torch: CUDA graphs cannot be released

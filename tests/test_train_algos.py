@@ -126,6 +126,17 @@ def _single_rank(rank, root):
     _assert_close(_grads_after_update(actor, batch), ref, "one micro-batch")
 
 
+def _recomputed(rank, root):
+    from mcore_rl.actor import MegatronActor
+
+    batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
+    cfg = actor_cfg("actor.micro_batch_size=2", "memory.recompute_activations=true")
+    actor = MegatronActor(0, 1, 0, os.path.join(root, "hf"), cfg, init={"policy": os.path.join(root, "ckpt")})
+    assert actor.model.module.config.recompute_granularity == "full"
+    _assert_close(_grads_after_update(actor, batch),
+                  torch.load(os.path.join(root, "ref_grads.pt"), weights_only=True), "full recompute")
+
+
 def _two_ranks(rank, root, *overrides):
     from mcore_rl.actor import MegatronActor
 
@@ -140,6 +151,8 @@ def test_micro_batches_and_dynamic_bsz_match_one_big_batch(tiny):
     distributed.run(_single_rank, 1, str(tiny))
     # DP=2 x EP=2: unequal token counts per rank, so the ranks also pad to a common packed length
     distributed.run(_two_ranks, 2, str(tiny), "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=10")
+    # memory.recompute_activations (which the planner counts) recomputes, and changes no gradient
+    distributed.run(_recomputed, 1, str(tiny))
 
 
 def _colocated_models(rank, root):

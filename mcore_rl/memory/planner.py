@@ -114,7 +114,7 @@ class PlanInputs:
             seq_len=seq, cuda_graph_max_bs=r.cuda_graph_max_bs, chunked_prefill_size=r.chunked_prefill_size,
             cuda_graph_bytes=None if m.cuda_graph_gb is None else int(m.cuda_graph_gb * GiB),
             reserved=int(m.reserved_gb * GiB), sync_bucket=m.sync_bucket_mb * MiB,
-            offload_train_states=m.offload_train_states, distributed_optimizer=m.distributed_optimizer,
+            offload_train_states=m.offload_train_states, distributed_optimizer=cfg.actor.use_distributed_optimizer,
             grad_fp32=m.grad_fp32, recompute=m.recompute_activations, hook_mode=m.saver_hook_mode)
 
 
