@@ -1,8 +1,8 @@
 """Sharded safetensors output whose layout is planned before the first byte is written.
 
-`ShardedWriter` keeps a whole shard in memory until it is full; the merger knows every output
-name, shape and dtype up front (from metadata only), so it writes each shard's header first and
-then streams every tensor straight to its place: memory is one tensor, not one shard.
+`hf_io.ShardedWriter` keeps a whole shard in memory until it is full. The converter and the
+merger know every output name, shape and dtype up front (from metadata only), so they write each
+shard's header first and then stream every tensor straight to its place: memory is one tensor.
 """
 
 from __future__ import annotations
