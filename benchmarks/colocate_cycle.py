@@ -26,15 +26,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.shapes import moonlight  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
-MOONLIGHT = dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
-                 moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1, moe_layer_freq=1,
-                 num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
-                 num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
-                 norm_topk_prob=True, routed_scaling_factor=2.446, q_lora_rank=None, kv_lora_rank=512,
-                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_theta=50000,
-                 rope_scaling=None, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False)
+MOONLIGHT = moonlight()
 TINY = dict(MOONLIGHT, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
             num_experts_per_tok=2, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)

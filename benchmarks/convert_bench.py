@@ -22,18 +22,15 @@ import time
 import zlib
 
 import torch
-import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
 def model_config(layers: int | None) -> dict:
-    with open(os.path.join(ROOT, "configs", "moonlight_16b.yaml")) as f:
-        cfg = dict(yaml.safe_load(f)["model"]["hf_config"])
-    if layers:
-        cfg["num_hidden_layers"] = layers
-    return {**cfg, "torch_dtype": "bfloat16"}
+    from benchmarks.shapes import moonlight
+
+    return {**moonlight(layers), "torch_dtype": "bfloat16"}
 
 
 def value(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -22,13 +22,10 @@ import time
 
 import torch
 
-MOONLIGHT = dict(  # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 architecture)
-    vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
-    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
-    n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, q_lora_rank=None,
-    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=1,
-    topk_group=1, routed_scaling_factor=2.446, tie_word_embeddings=False, dtype="bfloat16",
-    max_position_embeddings=8192)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.shapes import moonlight  # noqa: E402
+
+MOONLIGHT = {**moonlight(), "dtype": "bfloat16"}  # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 architecture)
 
 
 def fill(i: int, rank: int) -> float:

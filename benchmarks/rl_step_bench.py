@@ -19,19 +19,15 @@ import tempfile
 import time
 
 import torch
-import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MATMUL_PEAK = 790e12  # bf16 dense matmul measured on the lent H100/H200 (KINDS.md)
 
 
 def model_dims(args) -> dict:
-    path = os.path.join(ROOT, "configs", "tiny_cpu.yaml") if args.tiny else args.config
-    with open(path) as f:
-        hf = dict(yaml.safe_load(f)["model"]["hf_config"])
-    if args.layers:
-        hf["num_hidden_layers"] = args.layers
-    return hf
+    from benchmarks.shapes import hf_config
+
+    return hf_config("tiny_cpu.yaml" if args.tiny else args.config, args.layers)
 
 
 def active_flops_per_token(actor, seq: int) -> float:

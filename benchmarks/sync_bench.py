@@ -36,12 +36,9 @@ from mcore_rl.sync.bucket import flatten, unflatten  # noqa: E402
 from mcore_rl.sync.checksum import compare, digests  # noqa: E402
 from mcore_rl.sync.plan import EngineLayout, SyncPlan  # noqa: E402
 from mcore_rl.sync.transports import torch_serializer  # noqa: E402
+from benchmarks.shapes import moonlight  # noqa: E402
 
-MOONLIGHT = dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
-                 moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
-                 num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, first_k_dense_replace=1,
-                 num_experts_per_tok=6, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-                 qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False)
+MOONLIGHT = moonlight()
 TINY = dict(MOONLIGHT, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
             kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
