@@ -5,7 +5,8 @@ plan (mcore_rl.sync.plan) lays it out. N receiver processes, one per GPU beside 
 hold SGLang-layout parameter buffers for engine TP=N, EP=N (attention and dense MLP sliced by tp
 rank, experts as w13 [local_E, 2I, H] / w2 [local_E, H, I], gate_up_proj fused). Per bucket a
 trainer flattens its payload into one buffer (SGLang's flattened_bucket format), sends the CUDA
-IPC handle, and the receiver copies each tensor into place as SGLang's weight loaders would.
+IPC handle, and the receiver copies each tensor into place as SGLang's weight loaders would
+(benchmarks/sglang_receivers.py, shared with rl_step_bench's sync phase).
 SGLang itself is not imported (the GPU machines do not have it); the bucket format is checked
 against SGLang's class in tests/test_sync_bench.py.
 
@@ -23,7 +24,6 @@ import statistics
 import sys
 import time
 import zlib
-from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as mp
@@ -32,73 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mcore_rl.models.config import HFModel  # noqa: E402
 from mcore_rl.parallel import Layout  # noqa: E402
-from mcore_rl.sync.bucket import flatten, unflatten  # noqa: E402
+from mcore_rl.sync.bucket import flatten  # noqa: E402
 from mcore_rl.sync.checksum import compare, digests  # noqa: E402
 from mcore_rl.sync.plan import EngineLayout, SyncPlan  # noqa: E402
 from mcore_rl.sync.transports import torch_serializer  # noqa: E402
+from benchmarks.sglang_receivers import engine_params, place, serve  # noqa: E402
 from benchmarks.shapes import moonlight  # noqa: E402
 
 MOONLIGHT = moonlight()
 TINY = dict(MOONLIGHT, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
             kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-ROW_SPLIT = ("embed_tokens", "lm_head", "q_proj", "q_b_proj", "kv_b_proj")  # split over tp by output rows
-COL_SPLIT = ("o_proj",)
-
-
-def sglang_target(name: str, t: torch.Tensor, tp_rank: int, tp: int, E_local: int, expert_base: int):
-    """(param name, index into it, source view) as SGLang's weight loaders place HF tensor `name`
-    on tp rank `tp_rank` with moe_tp = 1 (EP = TP): experts into w13/w2, gate/up into gate_up_proj."""
-    parts = name.split(".")
-    leaf = parts[-2]
-    if ".mlp.experts." in name:
-        e = int(parts[5]) - expert_base
-        base = ".".join(parts[:5])
-        if leaf == "down_proj":
-            return f"{base}.w2_weight", (e,), t
-        half = t.shape[0]
-        return f"{base}.w13_weight", (e, slice(0, half) if leaf == "gate_proj" else slice(half, 2 * half)), t
-    if leaf in ("gate_proj", "up_proj", "down_proj"):  # dense and shared MLPs: split over tp, fused gate_up
-        if leaf == "down_proj":
-            return name, (), t.chunk(tp, dim=1)[tp_rank]
-        rows = t.chunk(tp, dim=0)[tp_rank]
-        n = rows.shape[0]
-        fused = name.replace(f"{leaf}.weight", "gate_up_proj.weight")
-        return fused, (slice(0, n) if leaf == "gate_proj" else slice(n, 2 * n),), rows
-    if leaf in ROW_SPLIT:
-        return name, (), t.chunk(tp, dim=0)[tp_rank]
-    if leaf in COL_SPLIT:
-        return name, (), t.chunk(tp, dim=1)[tp_rank]
-    return name, (), t  # norms, router, kv_a_proj_with_mqa: replicated
-
-
-def engine_params(plan: SyncPlan, rank: int, device) -> dict[str, torch.Tensor]:
-    """Empty SGLang-layout buffers for one engine rank, shaped by placing every tensor it receives."""
-    shapes: dict[str, tuple] = {}
-    E_local = plan.hf.num_experts // plan.engine.ep_size
-    for name in plan.payload_names(rank):
-        t = plan.tensors[name]
-        probe = torch.empty(t.shape, dtype=t.dtype, device="meta")
-        target, index, src = sglang_target(name, probe, rank, plan.engine.tp_size, E_local, 0)
-        if target.endswith("w13_weight"):
-            shapes[target] = (E_local, 2 * t.shape[0], t.shape[1])
-        elif target.endswith("w2_weight"):
-            shapes[target] = (E_local, *t.shape)
-        elif target.endswith("gate_up_proj.weight"):
-            shapes[target] = (2 * src.shape[0], src.shape[1])
-        else:
-            shapes[target] = tuple(src.shape)
-    dtype = {n: plan.tensors[n].dtype for n in plan.payload_names(rank)}
-    return {k: torch.empty(v, dtype=torch.float32 if "e_score" in k else torch.bfloat16, device=device)
-            for k, v in shapes.items()} if dtype else {}
-
-
-def place(params, named, rank, plan):
-    E_local = plan.hf.num_experts // plan.engine.ep_size
-    base = plan.engine.experts_of(rank, plan.hf.num_experts).start
-    for name, t in named:
-        target, index, src = sglang_target(name, t, rank, plan.engine.tp_size, E_local, base)
-        params[target][index].copy_(src)
 
 
 def source_tensors(plan: SyncPlan, rank: int, device) -> dict[str, torch.Tensor]:
@@ -160,24 +104,11 @@ def trainer(rank, spec, ctl, peer, args):
     ctl.send(("expected", digests(expected.items())))
     peer.send(("digest", None))
     ctl.send(("got", peer.recv()))
+    peer.send(("stop", None))
 
 
 def receiver(rank, spec, conn, args):
-    plan = make_plan(*spec)
-    device = _device(args.cpu, rank)
-    params = engine_params(plan, rank, device)
-    while True:
-        kind, data = conn.recv()
-        if kind == "bucket":
-            bucket = ForkingPickler.loads(data)
-            place(params, unflatten(bucket["flattened_tensor"], bucket["metadata"]), rank, plan)
-            if not args.cpu:
-                torch.cuda.current_stream().synchronize()
-            del bucket
-            conn.send("ack")
-        elif kind == "digest":
-            conn.send(digests(params.items()))
-            return
+    serve(conn, make_plan(*spec), rank, _device(args.cpu, rank))
 
 
 def main(argv=None):
