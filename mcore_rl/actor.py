@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mcore_rl import batching as mb
-from mcore_rl import optim
+from mcore_rl import optim, pipeline
 
 
 def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, with_entropy: bool = False):
@@ -130,16 +130,17 @@ class MegatronActor:
         pads = self._max_over_ranks([sum(lengths[i] for i in b) for b in bins])
         return list(zip(bins, [-(-t // tp) * tp for t in pads]))  # SP splits the sequence over TP
 
-    def _forward(self, model, packed: mb.Packed) -> torch.Tensor:
-        """Per-position outputs [T, V] (logits gathered over TP) or [T, 1] (critic values)."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    def _packs(self, d: dict, response_len: int, plan) -> list[mb.Packed]:
+        return [self._pack(d, response_len, rows, pad_to) for rows, pad_to in plan]
 
-        if self.layout.pp != 1:
-            raise NotImplementedError("pp > 1 training needs megatron's pipeline schedule")
-        out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params())
-        if model is not self.critic:
-            out = gather_from_tensor_model_parallel_region(out)
-        return out[0]
+    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the last pipeline stage's TP rank 0 holds it, on every rank (in place)."""
+        ps = self.ps
+        if self.layout.pp > 1:
+            dist.broadcast(t, ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(t, ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+        return t
 
     def _local(self, batch: dict, keys) -> dict:
         sl = self._dp_slice(len(batch["tokens"]))
@@ -163,13 +164,14 @@ class MegatronActor:
             pad_to = self._max_over_ranks([int(attn.sum())])[0]
             packed = self._pack({"tokens": tokens, "attention_mask": attn}, 0, rows,
                                 -(-pad_to // self.layout.tp) * self.layout.tp)
-            logp_all = F.log_softmax(self._forward(self.model, packed)[packed.last].float() / temperature, -1)
-            nxt = torch.multinomial(logp_all.exp(), 1, generator=gen) if rows else \
-                torch.zeros(0, 1, dtype=torch.long, device=self.device)
-            # every TP rank must append the same token: take TP rank 0's choice
-            dist.broadcast(nxt, self.ps.get_tensor_model_parallel_src_rank(),
-                           group=self.ps.get_tensor_model_parallel_group())
-            logps.append(logp_all.gather(-1, nxt).cpu())
+            last = pipeline.forward(self.model, [packed], lambda y, k: F.log_softmax(
+                y[packed.last].float() / temperature, -1), tp_gather=True)  # one decode step
+            nxt = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
+            if last and rows:  # the last stage samples; every rank must append its token
+                nxt = torch.multinomial(last[0].exp(), 1, generator=gen)
+            self._from_last_stage(nxt)
+            if last:
+                logps.append(last[0].gather(-1, nxt).cpu())
             nxt = nxt.cpu()
             tokens, attn = torch.cat([tokens, nxt], 1), torch.cat([attn, torch.ones_like(nxt)], 1)
         return (tokens, torch.cat(logps, 1)) if self._is_reporter() else None
@@ -182,13 +184,15 @@ class MegatronActor:
         R = d["response_mask"].shape[1]
         out = torch.zeros(len(d["tokens"]), R)
         temperature = self.cfg["rollout"]["temperature"]
-        for rows, pad_to in self._micro_plan(mb.sample_lengths(d["attention_mask"]),
-                                             self.cfg["actor"]["micro_batch_size"]):
-            packed = self._pack(d, R, rows, pad_to)
-            y = self._forward(model, packed)
+        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), self.cfg["actor"]["micro_batch_size"])
+        packs = self._packs(d, R, plan)
+
+        def per_token(y, k):
+            return packs[k].at_responses(y[:, 0].float()) if values else token_logprobs(y, packs[k], temperature)[0]
+
+        for (rows, _), got in zip(plan, pipeline.forward(model, packs, per_token, tp_gather=not values)):
             if rows:
-                out[rows] = (packed.at_responses(y[:, 0].float()) if values
-                             else token_logprobs(y, packed, temperature)[0]).cpu()
+                out[rows] = got.cpu()
         return out if self._is_reporter() else None
 
     def log_probs(self, batch: dict):
@@ -254,23 +258,22 @@ class MegatronActor:
                    dp_size=self.ps.get_data_parallel_world_size())
         local_tokens = max(float(mask.sum()), 1.0)
         optim.zero_grad(model, opt)
-        sums: dict[str, float] = {}
-        means: dict[str, float] = {}
-        R = mask.shape[1]
-        for rows, pad_to in self._micro_plan(mb.sample_lengths(d["attention_mask"]), micro_batch_size):
-            packed = self._pack(d, R, rows, pad_to)
-            out = self._forward(model, packed)
-            micro = {k: v[rows].to(self.device) for k, v in d.items()}
-            loss, loss_stats, mean_stats = loss_fn(out, packed, micro, agg)
-            # the zero term keeps every rank's backward (and its collectives) going on empty micro-batches
-            (loss + 0.0 * out.sum()).backward()
-            share = float(micro["response_mask"].sum()) / local_tokens
-            for k, v in loss_stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-            for k, v in mean_stats.items():
-                means[k] = means.get(k, 0.0) + share * float(v)
-        _, gnorm = optim.step(model, opt)  # DP/expert-DP/TP-SP grad reductions, clipping, step
-        return {**sums, **means, "actor/grad_norm": gnorm}
+        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), micro_batch_size)
+        packs = self._packs(d, mask.shape[1], plan)
+
+        def loss_and_stats(out, k):
+            micro = {key: v[plan[k][0]].to(self.device) for key, v in d.items()}
+            loss, loss_stats, mean_stats = loss_fn(out, packs[k], micro, agg)
+            share = float(micro["response_mask"].sum()) / local_tokens  # of this rank's tokens
+            return loss, {**{s: float(v) for s, v in loss_stats.items()},
+                          **{s: share * float(v) for s, v in mean_stats.items()}}
+
+        totals: dict[str, float] = {}
+        for stats in pipeline.forward_backward(model, packs, loss_and_stats, tp_gather=model is not self.critic):
+            for key, v in stats.items():
+                totals[key] = totals.get(key, 0.0) + v
+        _, gnorm = optim.step(model, opt)  # DP/expert-DP/TP-SP/PP-embedding grad reductions, clipping, step
+        return {**totals, "actor/grad_norm": gnorm}
 
     def _policy_loss(self, logits, packed, d, agg):
         from mcore_rl.algos.losses import agg_loss, kl_loss, policy_loss

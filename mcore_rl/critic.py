@@ -41,8 +41,9 @@ def build_critic(hf, tcfg):
 
     untied = HFModel.from_dict({**hf.cfg, "tie_word_embeddings": False})
     model = build_model(untied, tcfg)
-    device = next(model.parameters()).device  # build_model has already moved the trunk to its GPU
-    model.output_layer = ValueHead(tcfg.hidden_size, tcfg.sequence_parallel, tcfg.params_dtype).to(device)
+    if model.post_process:  # only the last pipeline stage has (and checkpoints) a head
+        device = next(model.parameters()).device  # build_model has already moved the trunk to its GPU
+        model.output_layer = ValueHead(tcfg.hidden_size, tcfg.sequence_parallel, tcfg.params_dtype).to(device)
     return model
 
 

@@ -1,0 +1,65 @@
+"""Forward (and backward) passes over packed micro-batches with megatron-core's own schedule.
+
+One code path for every layout: with one pipeline stage megatron's schedule is a plain loop over
+the micro-batches; with more it is 1F1B, each stage sending its activations forward and their
+grads back point to point (gloo on CPU, NCCL on GPU). Per-position outputs, losses and stats
+exist on the last stage only: there the callbacks run and their results come back, in
+micro-batch order; other stages get an empty list.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mcore_rl.batching import Packed
+
+# (per-position output [T, V] or [T, 1], micro-batch index) -> result
+OnOutput = Callable[[torch.Tensor, int], object]
+
+
+def forward(model, micro_batches: list[Packed], fn: OnOutput, tp_gather: bool) -> list:
+    """fn's result for each micro-batch (forward only, e.g. under torch.no_grad)."""
+    return _run(model, micro_batches, fn, tp_gather, forward_only=True)
+
+
+def forward_backward(model, micro_batches: list[Packed], loss_fn: OnOutput, tp_gather: bool) -> list[dict]:
+    """Backward of each micro-batch's loss (grads accumulate in the model's buffers); returns the
+    stats of each. loss_fn returns (loss, stats) with the loss already normalised over the whole
+    mini-batch, so the micro-batch losses simply add up."""
+    n = len(micro_batches)
+
+    def loss(out, k):
+        value, stats = loss_fn(out, k)
+        # megatron divides each micro-batch's loss by their number (a mean over micro-batches):
+        # undo it. The zero term keeps backward (and its collectives) going on empty micro-batches.
+        return value * n + 0.0 * out.sum(), stats
+
+    return _run(model, micro_batches, loss, tp_gather, forward_only=False)
+
+
+def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather: bool, forward_only: bool) -> list:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.core.utils import get_model_config
+
+    # Packed micro-batches differ in length, so P2P sends each activation's shape first (one schedule
+    # call, no padding). megatron's config check refuses this beside the allgather MoE dispatcher only
+    # because EP ranks could then differ in token counts; the actor's plan gives them equal lengths.
+    get_model_config(model).variable_seq_lengths = True
+
+    def step(data, model):
+        k, packed = next(data)
+        out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params())
+
+        def on_output(out, non_loss_data=False):  # last stage only
+            out = gather_from_tensor_model_parallel_region(out) if tp_gather else out
+            return on_last_stage(out[0], k)
+
+        return out, on_output
+
+    return get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(enumerate(micro_batches)), model=model,
+        num_microbatches=len(micro_batches), seq_length=max(p.length for p in micro_batches),
+        micro_batch_size=1, forward_only=forward_only, collect_non_loss_data=forward_only)
