@@ -15,10 +15,10 @@ import torch
 
 from mcore_rl import config as C
 from tests import distributed
+from tests.rl_batch import B, R, rl_batch
 from tests.tiny_models import make_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-B, R = 6, 5  # samples, response length
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +29,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("algos")
     make_hf_model("deepseek_v3", str(root / "hf"))
     hf_to_mcore(str(root / "hf"), str(root / "ckpt"), dtype="fp32")
-    g = torch.Generator().manual_seed(0)
-    prompt_lens, resp_lens = [3, 7, 1, 5, 2, 6], [5, 2, 4, 1, 5, 3]
-    P = max(prompt_lens)
-    tokens = torch.randint(3, 256, (B, P + R), generator=g)
-    attn = torch.zeros(B, P + R, dtype=torch.long)
-    resp_mask = torch.zeros(B, R)
-    for i, (p, r) in enumerate(zip(prompt_lens, resp_lens)):
-        tokens[i, :P - p] = 0
-        attn[i, P - p:P + r] = 1
-        resp_mask[i, :r] = 1
-    batch = dict(tokens=tokens, attention_mask=attn, response_mask=resp_mask,
-                 advantages=torch.randn(B, R, generator=g) * resp_mask,
-                 old_log_probs=-torch.rand(B, R, generator=g) * 6,
-                 ref_log_probs=-torch.rand(B, R, generator=g) * 6,
-                 rollout_log_probs=-torch.rand(B, R, generator=g) * 6)
-    torch.save(batch, root / "batch.pt")
+    torch.save(rl_batch(), root / "batch.pt")
     return root
 
 
