@@ -24,8 +24,8 @@ def sharded_state_dict(model) -> dict:
             if not k.endswith("_extra_state")}
 
 
-def _rewrite_spec(spec, norm, core_attention):
-    """Swap megatron's local norms and core attention for ours, everywhere in a spec tree."""
+def _rewrite_spec(spec, norm, core_attention, moe: dict | None = None):
+    """Swap megatron's local norms and core attention (and MoE classes, `moe`) for ours in a spec tree."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -43,7 +43,7 @@ def _rewrite_spec(spec, norm, core_attention):
                 return norm
             if x is DotProductAttention:
                 return core_attention
-            return x
+            return (moe or {}).get(x, x)
         if isinstance(x, ModuleSpec):
             x.module = fix(x.module)
             if x.submodules is not None:
@@ -64,18 +64,27 @@ def use_te() -> bool:
     return compat._have_te() and torch.cuda.is_available()
 
 
-def layer_spec(config, vp_stage=None):
+def layer_spec(config, vp_stage=None, fast_moe: bool = True):
+    """megatron's local decoder spec with our norm and attention; with fast_moe, grouped-GEMM
+    experts (same parameters, same results)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
+    from mcore_rl.models.experts import GroupedGemmExperts
     from mcore_rl.models.layers import RMSNorm, SDPACoreAttention
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm", vp_stage=vp_stage)
-    return _rewrite_spec(spec, RMSNorm, SDPACoreAttention)
+    moe = {SequentialMLP: GroupedGemmExperts} if fast_moe else None
+    return _rewrite_spec(spec, RMSNorm, SDPACoreAttention, moe)
 
 
-def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_process=None):
-    """A GPTModel for `hf` on this rank's pipeline stage (parallel_state must be initialised)."""
+def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_process=None,
+                fast_moe: bool = True):
+    """A GPTModel for `hf` on this rank's pipeline stage (parallel_state must be initialised).
+
+    fast_moe=False keeps megatron's per-expert loop and scatter-add permutation (for comparisons).
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -93,7 +102,7 @@ def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_pr
         rope.update(rope_scaling=True, rope_scaling_factor=float(rs["factor"]))
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, vp_stage),
+        transformer_layer_spec=layer_spec(config, vp_stage, fast_moe),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         pre_process=pre_process,
@@ -103,6 +112,10 @@ def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_pr
         vp_stage=vp_stage,
         **rope,
     )
+    if fast_moe:
+        from mcore_rl.models.dispatch import use_gather_permutation
+
+        use_gather_permutation(model)
     if not config.use_cpu_initialization and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
