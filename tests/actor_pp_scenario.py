@@ -3,9 +3,9 @@
 Used by tests/test_actor_pp.py (gloo processes on CPU); also runnable by hand, on GPUs over NCCL
 (fp32; each layout in fresh processes, one GPU each) or on the CPU:
 
-    python tests/actor_pp_scenario.py --out /tmp/actor_pp --gpus 4   # also PP=2 x DP=2 x EP=2
+    python tests/actor_pp_scenario.py --out /tmp/actor_pp --gpus 4   # all layouts
     python tests/actor_pp_scenario.py --out /tmp/actor_pp --gpus 2   # PP=2 against PP=1 only
-    python tests/actor_pp_scenario.py --out /tmp/actor_pp --cpu
+    python tests/actor_pp_scenario.py --out /tmp/actor_pp --cpu      # all layouts, gloo
 
 Each layout runs, for each family: log_probs, ref_log_probs, values, one PPO update (one
 optimizer step over three micro-batches of different packed lengths), log_probs again, one
@@ -31,9 +31,9 @@ from tests.rl_batch import P, rl_batch  # noqa: E402
 
 MICRO = 2  # samples per micro-batch: three micro-batches of different packed lengths in one optimizer step
 FAMILIES = ("deepseek_v3", "llama")  # MoE + MLA (2 layers a stage); dense with tied embeddings (1 a stage)
-# (world, pp, ep, families); each PP=2 layout is compared with the PP=1 one of the same DP x EP
-LAYOUTS = ((1, 1, 1, FAMILIES), (2, 2, 1, FAMILIES), (2, 1, 2, FAMILIES[:1]), (4, 2, 2, FAMILIES[:1]))
-PAIRS = (("pp2ep1", "pp1ep1"), ("pp2ep2", "pp1ep2"))
+# (world, tp, pp, ep, families); each PP=2 layout is compared with the PP=1 one of the same TP x DP x EP
+LAYOUTS = ((1, 1, 1, 1, FAMILIES), (2, 1, 2, 1, FAMILIES), (2, 1, 1, 2, FAMILIES[:1]), (4, 1, 2, 2, FAMILIES[:1]))
+TP_LAYOUTS = ((2, 2, 1, 1, FAMILIES), (4, 2, 2, 1, FAMILIES))  # sequence parallel activations between stages
 PER_TOKEN = ("log_probs", "ref", "values0", "log_probs_after", "values")
 
 
@@ -48,9 +48,14 @@ def prepare(root: str) -> None:
     torch.save(rl_batch(), os.path.join(root, "batch.pt"))
 
 
-def actor_cfg(pp: int, ep: int) -> dict:
+def name(tp: int, pp: int, ep: int) -> str:
+    return f"tp{tp}pp{pp}ep{ep}"
+
+
+def actor_cfg(tp: int, pp: int, ep: int) -> dict:
     cfg = C.config_from_dict(C.apply_overrides({}, [
-        f"parallel.pp={pp}", f"parallel.ep={ep}", "model.dtype=fp32", "rollout.n=1", "actor.ppo_mini_batch_size=6",
+        f"parallel.tp={tp}", f"parallel.etp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", "model.dtype=fp32",
+        "rollout.n=1", "actor.ppo_mini_batch_size=6",
         f"actor.micro_batch_size={MICRO}", "actor.lr=1.0", "actor.weight_decay=0", "actor.entropy_coeff=0.01",
         "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.tis_imp_ratio_cap=2.0",
         "actor.router_bias_update_rate=1e-3", "critic.enabled=true", "critic.lr=1.0", "critic.weight_decay=0",
@@ -77,14 +82,14 @@ def as_driver(value):
     return torch.cat(got)
 
 
-def run_actor(rank: int, world: int, port: int, root: str, pp: int, ep: int, fams) -> None:
-    """Every actor method at PP=pp x EP=ep, for each family in turn; rank 0 saves the results.
+def run_actor(rank: int, world: int, port: int, root: str, tp: int, pp: int, ep: int, fams) -> None:
+    """Every actor method at TP=tp x PP=pp x EP=ep, for each family in turn; rank 0 saves the results.
     The actor sets up the process group unless the caller already has (tests/distributed.py)."""
     from mcore_rl.actor import MegatronActor
 
     for fam in fams:
         batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
-        actor = MegatronActor(rank, world, port, os.path.join(root, fam, "hf"), actor_cfg(pp, ep),
+        actor = MegatronActor(rank, world, port, os.path.join(root, fam, "hf"), actor_cfg(tp, pp, ep),
                               init={"policy": os.path.join(root, fam, "ckpt")})
         out = {"log_probs": as_driver(actor.log_probs(batch)), "ref": as_driver(actor.ref_log_probs(batch)),
                "values0": as_driver(actor.values(batch))}
@@ -96,7 +101,7 @@ def run_actor(rank: int, world: int, port: int, root: str, pp: int, ep: int, fam
         out["generate"] = as_driver(actor.generate(batch["tokens"][:, :P], batch["attention_mask"][:, :P], 4,
                                                    1.0, seed=11))
         if rank == 0:
-            torch.save(out, os.path.join(root, fam, f"pp{pp}ep{ep}.pt"))
+            torch.save(out, os.path.join(root, fam, f"{name(tp, pp, ep)}.pt"))
         actor.ps.destroy_model_parallel()  # make room for the next family's actor
 
 
@@ -120,20 +125,21 @@ def agree(diff: dict, atol: float = 1e-5) -> bool:
 
 
 def compare(root: str) -> dict:
-    """{family/pair: differences} for every pair of layouts that ran."""
+    """{family/pair: differences}: each PP=2 layout that ran against its PP=1 layout."""
     out = {}
     for fam in FAMILIES:
-        for a, b in PAIRS:
-            pa, pb = (os.path.join(root, fam, f"{name}.pt") for name in (a, b))
-            if os.path.exists(pa) and os.path.exists(pb):
+        for _, tp, pp, ep, _ in (*LAYOUTS, *TP_LAYOUTS):
+            a, b = name(tp, pp, ep), name(tp, 1, ep)
+            pa, pb = (os.path.join(root, fam, f"{n}.pt") for n in (a, b))
+            if pp > 1 and os.path.exists(pa) and os.path.exists(pb):
                 out[f"{fam}/{a}_vs_{b}"] = differences(torch.load(pa, weights_only=True),
                                                        torch.load(pb, weights_only=True))
     return out
 
 
-def _spawned(rank, world, port, root, pp, ep, fams):
+def _spawned(rank, world, port, root, *layout):
     os.environ.update(LOCAL_RANK=str(rank), TORCHDYNAMO_DISABLE="1")
-    run_actor(rank, world, port, root, pp, ep, fams)
+    run_actor(rank, world, port, root, *layout)
 
 
 def main() -> int:
@@ -144,7 +150,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="working folder; differences.json is written there")
     where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--gpus", type=int, help="GPUs on this host (2 or more; 4 adds PP=2 x DP=2 x EP=2)")
+    where.add_argument("--gpus", type=int, help="GPUs on this host (2 or more; 4 adds PP2 x DP2 x EP2 and TP2 x PP2)")
     where.add_argument("--cpu", action="store_true", help="gloo processes on the CPU")
     args = ap.parse_args()
     if args.gpus is not None and not 2 <= args.gpus <= torch.cuda.device_count():
@@ -155,10 +161,9 @@ def main() -> int:
     root = tempfile.mkdtemp(dir=args.out)
     prepare(root)
     most = args.gpus or 4
-    for world, pp, ep, fams in LAYOUTS:
+    for world, *layout in (*LAYOUTS, *TP_LAYOUTS):
         if world <= most:
-            mp.start_processes(_spawned, args=(world, free_port(), root, pp, ep, fams), nprocs=world,
-                               start_method="spawn")
+            mp.start_processes(_spawned, args=(world, free_port(), root, *layout), nprocs=world, start_method="spawn")
     diffs = compare(root)
     with open(os.path.join(args.out, "differences.json"), "w") as f:
         json.dump(diffs, f, indent=1)

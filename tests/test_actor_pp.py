@@ -3,7 +3,7 @@ MegatronActor method gives what the PP=1 actor gives from the same torch_dist we
 one PPO update over micro-batches of different packed lengths (grad norm, stats and the updated
 weights), the embedded rollout's sampled tokens, and a critic's update and values; for a MoE+MLA
 and a dense tied-embedding model, and at PP=2 x DP=2 x EP=2. Then the trainer end to end at PP=2.
-The scenario itself (also runnable on GPUs) is tests/actor_pp_scenario.py."""
+The scenario itself (also runnable on GPUs, and with TP=2 x PP=2) is tests/actor_pp_scenario.py."""
 
 from __future__ import annotations
 
@@ -40,15 +40,15 @@ def test_pp2_actor_matches_pp1(tiny):
     lengths = mb.sample_lengths(batch["attention_mask"])
     packed = [sum(lengths[i] for i in m) for m in mb.fixed_micro_batches(B, S.MICRO)]
     assert len(packed) >= 2 and len(set(packed)) == len(packed), packed  # 17, 11 and 16 tokens
-    for world, pp, ep, fams in S.LAYOUTS:
-        distributed.run(_run_actor, world, world, str(tiny), pp, ep, fams)
+    for world, *layout in S.LAYOUTS:
+        distributed.run(_run_actor, world, world, str(tiny), *layout)
     diffs = S.compare(str(tiny))
     assert len(diffs) == 3, sorted(diffs)  # both families at PP=2, DeepSeek-V3 at PP=2 x DP=2 x EP=2
     bad = {k: d for k, d in diffs.items() if not S.agree(d)}
     assert not bad, json.dumps(bad, indent=1)
     mask = batch["response_mask"].bool()
     for fam in S.FAMILIES:  # the agreement is not the trivial one: the updates moved policy and critic head
-        ref = torch.load(tiny / fam / "pp1ep1.pt", weights_only=True)
+        ref = torch.load(tiny / fam / f"{S.name(1, 1, 1)}.pt", weights_only=True)
         assert (ref["log_probs_after"] - ref["log_probs"])[mask].abs().max() > 1e-3
         assert ref["values"][mask].abs().min() > 0 and ref["update"]["actor/grad_norm"] > 0
 
