@@ -8,7 +8,8 @@ receivers' contents are checked against a megatron checkpoint of the trainer (a 
 run). Prints a table and writes JSON. Training TFLOP/s count 6 x active parameters per token plus
 causal attention.
 
-    python benchmarks/rl_step_bench.py --gpus 8 --ep 8 --rollout-tp 8 --out rl.json             # GPU
+    python benchmarks/rl_step_bench.py --gpus 1 --layers 4 --out rl.json                        # 1 GPU
+    python benchmarks/rl_step_bench.py --gpus 8 --ep 8 --rollout-tp 8 --out rl.json             # 8 GPUs
     python benchmarks/rl_step_bench.py --cpu --tiny --gpus 2 --ep 2 --rollout-tp 2 --out rl.json  # CPU, gloo
 """
 
@@ -155,6 +156,8 @@ def parse(argv=None):
     args.rollout_ep = args.rollout_ep or args.rollout_tp
     if args.gpus % args.rollout_tp:
         p.error(f"--rollout-tp {args.rollout_tp} must divide --gpus {args.gpus} (one receiver per GPU)")
+    if args.steps < 1:
+        p.error("--steps must be at least 1 (step 0 only warms up)")
     if args.corrupt_receiver and not args.verify:
         p.error("--corrupt-receiver needs the weight check")
     from mcore_rl.sync import PlanError

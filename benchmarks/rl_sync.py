@@ -156,5 +156,5 @@ def check_receivers(ctx, ckpt: str, dims: dict, args, got: list[dict]) -> dict:
     if mismatches:
         raise WeightMismatch("\n".join(mismatches))
     return dict(passed=True, receivers=len(got), tensors=sum(len(d) for d in got),
-                bytes=sum(v[0] for d in got for v in d.values()),
+                bytes_checked=sum(v[0] for d in got for v in d.values()),
                 reference="megatron torch_dist checkpoint of the trainer after the first sync")
