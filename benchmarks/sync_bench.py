@@ -8,7 +8,7 @@ trainer flattens its payload into one buffer (SGLang's flattened_bucket format),
 IPC handle, and the receiver copies each tensor into place as SGLang's weight loaders would
 (benchmarks/sglang_receivers.py, shared with rl_step_bench's sync phase).
 SGLang itself is not imported (the GPU machines do not have it); the bucket format is checked
-against SGLang's class in tests/test_sync_bench.py.
+against SGLang's class in tests/test_sglang_sync.py.
 
     python benchmarks/sync_bench.py --gpus 4 --out sync.json      # GPU
     python benchmarks/sync_bench.py --cpu --tiny --out sync.json  # CPU smoke test (shared memory)
