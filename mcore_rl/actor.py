@@ -44,7 +44,9 @@ class MegatronActor:
         """init: torch_dist checkpoints to start from, {"policy": dir|None, "critic": dir|None};
         without one the policy keeps megatron's seeded init and the critic copies the policy."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(world), TORCHDYNAMO_DISABLE="1")
+                          WORLD_SIZE=str(world))
+        if not torch.cuda.is_available():  # compiling costs more than it saves on CPU (mcore_rl.models.fused)
+            os.environ["TORCHDYNAMO_DISABLE"] = "1"
         from megatron.core import parallel_state as ps
 
         from mcore_rl.models import HFModel, build_model, transformer_config
@@ -71,10 +73,15 @@ class MegatronActor:
 
             load_model(self.model, init["policy"])
         a, alg = cfg["actor"], cfg["algorithm"]
-        self.ref = None
+        self.ref, self.ref_offload = None, None
         if a["use_kl_loss"] or alg["use_kl_in_reward"]:  # a frozen copy of the initial policy
             self.ref = build_model(self.hf, tcfg).eval().requires_grad_(False)
             self.ref.load_state_dict(self.model.state_dict())
+            if cfg["memory"]["offload_ref"] and self.device.type == "cuda":
+                from mcore_rl.memory.offload import StateOffloader
+
+                self.ref_offload = StateOffloader(list(self.ref.parameters()) + list(self.ref.buffers()))
+                self.ref_offload.offload()
         self.critic = None
         if cfg["critic"]["enabled"]:
             self._build_critic(cfg, tcfg, init.get("critic"))
@@ -115,15 +122,22 @@ class MegatronActor:
     def _pack(self, d: dict, response_len: int, rows: list[int], pad_to: int) -> mb.Packed:
         return mb.pack(d["tokens"], d["attention_mask"], response_len, rows, pad_to).to(self.device)
 
-    def _micro_plan(self, lengths: list[int], micro_batch_size: int) -> list[tuple[list[int], int]]:
+    def _sizes(self, section: str) -> dict:
+        """Per-rank mini-batch, micro-batch and packed-token budget of 'actor' or 'critic' (the
+        critic's unset ones follow the actor's, as in verl)."""
+        a, s = self.cfg["actor"], self.cfg[section]
+        pick = lambda key: a[key] if s.get(key) is None else s[key]  # noqa: E731
+        mini = pick("ppo_mini_batch_size") * self.cfg["rollout"]["n"] // self.ps.get_data_parallel_world_size()
+        return dict(mini=mini, micro=s["micro_batch_size"], max_tokens=pick("ppo_max_token_len_per_gpu"))
+
+    def _micro_plan(self, lengths: list[int], sizes: dict) -> list[tuple[list[int], int]]:
         """Micro-batches (sample indices) and the packed length each is padded to, equal on all ranks."""
-        a = self.cfg["actor"]
         count = 1
         while True:
-            if a["use_dynamic_bsz"]:
-                bins = mb.balanced_micro_batches(lengths, a["ppo_max_token_len_per_gpu"], count)
+            if self.cfg["actor"]["use_dynamic_bsz"]:
+                bins = mb.balanced_micro_batches(lengths, sizes["max_tokens"], count)
             else:
-                bins = mb.fixed_micro_batches(len(lengths), micro_batch_size, count)
+                bins = mb.fixed_micro_batches(len(lengths), sizes["micro"], count)
             hi, neg_lo = self._max_over_ranks([len(bins), -len(bins)])
             if hi == -neg_lo:
                 break
@@ -186,7 +200,7 @@ class MegatronActor:
         R = d["response_mask"].shape[1]
         out = torch.zeros(len(d["tokens"]), R)
         temperature = self.cfg["rollout"]["temperature"]
-        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), self.cfg["actor"]["micro_batch_size"])
+        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), self._sizes("critic" if values else "actor"))
         packs = self._packs(d, R, plan)
 
         def per_token(y, k):
@@ -201,7 +215,13 @@ class MegatronActor:
         return self._per_response_token(self.model, batch, values=False)
 
     def ref_log_probs(self, batch: dict):
-        return self._per_response_token(self.ref, batch, values=False)
+        if self.ref_offload is None:
+            return self._per_response_token(self.ref, batch, values=False)
+        self.ref_offload.onload()
+        try:
+            return self._per_response_token(self.ref, batch, values=False)
+        finally:
+            self.ref_offload.offload()
 
     def values(self, batch: dict):
         return self._per_response_token(self.critic, batch, values=True)
@@ -213,7 +233,7 @@ class MegatronActor:
         keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
                 "rollout_log_probs")
         out = self._epochs(self.model, self.opt, self._local(batch, keys), self._policy_loss, a["ppo_epochs"],
-                           a["micro_batch_size"], warmup=a["lr_warmup_steps"], base_lr=a["lr"])
+                           self._sizes("actor"), warmup=a["lr_warmup_steps"], base_lr=a["lr"])
         if self.ref is not None and a["use_kl_loss"]:
             out["actor/kl_coef"] = a["kl_loss_coef"]
         return out if self._is_reporter() else None
@@ -222,13 +242,12 @@ class MegatronActor:
         c = self.cfg["critic"]
         keys = ("tokens", "attention_mask", "response_mask", "values", "returns")
         out = self._epochs(self.critic, self.critic_opt, self._local(batch, keys), self._value_loss,
-                           c["ppo_epochs"], c["micro_batch_size"])
+                           c["ppo_epochs"], self._sizes("critic"))
         return {k.replace("actor/", "critic/"): v for k, v in out.items()} if self._is_reporter() else None
 
-    def _epochs(self, model, opt, d: dict, loss_fn, epochs: int, micro_batch_size: int, warmup: int = 0,
+    def _epochs(self, model, opt, d: dict, loss_fn, epochs: int, sizes: dict, warmup: int = 0,
                 base_lr: float | None = None) -> dict:
-        dp = self.ps.get_data_parallel_world_size()
-        mini = self.cfg["actor"]["ppo_mini_batch_size"] * self.cfg["rollout"]["n"] // dp
+        mini = sizes["mini"]
         totals: dict[str, float] = {}
         steps = 0
         for _ in range(epochs):
@@ -237,7 +256,7 @@ class MegatronActor:
                     for g in opt.param_groups:
                         g["lr"] = base_lr * min(1.0, (self.updates + 1) / warmup)
                 stats = self._optimizer_step(model, opt, {k: v[chunk.start:chunk.stop] for k, v in d.items()},
-                                             loss_fn, micro_batch_size)
+                                             loss_fn, sizes)
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 steps += 1
@@ -246,7 +265,7 @@ class MegatronActor:
         out["actor/lr"] = opt.param_groups[0]["lr"]
         return out
 
-    def _optimizer_step(self, model, opt, d: dict, loss_fn, micro_batch_size: int) -> dict:
+    def _optimizer_step(self, model, opt, d: dict, loss_fn, sizes: dict) -> dict:
         """One optimizer step on a mini-batch, accumulating grads over its micro-batches.
 
         Losses are normalised by the mini-batch's global token (or sequence) count over all DP
@@ -260,7 +279,7 @@ class MegatronActor:
                    dp_size=self.ps.get_data_parallel_world_size())
         local_tokens = max(float(mask.sum()), 1.0)
         optim.zero_grad(model, opt)
-        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), micro_batch_size)
+        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), sizes)
         packs = self._packs(d, mask.shape[1], plan)
 
         def loss_and_stats(out, k):

@@ -89,6 +89,7 @@ class MemoryConfig:
     gpu_memory_gb: float | None = None  # plan for this much per GPU; null: NVML's free memory
     reserved_gb: float = 4.0  # per GPU outside both models: CUDA contexts, NCCL, fragmentation
     offload_train_states: bool = True  # Megatron params/grads/optimizer to CPU while the engine runs
+    offload_ref: bool = True  # the frozen reference policy lives on the host between its forwards (GPU)
     grad_fp32: bool = True  # grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)
     recompute_activations: bool = False
     saver_hook_mode: Literal["preload", "torch"] = "preload"  # torch: CUDA graphs cannot be released
@@ -150,7 +151,10 @@ class CriticConfig:
     grad_clip: float = 1.0
     cliprange_value: float = 0.5
     ppo_epochs: int = 1
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # also the micro-batch of `values`
+    # null: the actor's. Without a vocabulary-wide output the critic usually fits longer packs
+    ppo_mini_batch_size: int | None = None
+    ppo_max_token_len_per_gpu: int | None = None
 
 
 @dataclass
@@ -394,6 +398,9 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
         for name in names:
             value = getattr(getattr(cfg, section), name)
             need(value >= 1, f"{section}.{name} must be >= 1, got {value}")
+    for name in ("ppo_mini_batch_size", "ppo_max_token_len_per_gpu"):
+        value = getattr(cfg.critic, name)
+        need(value is None or value >= 1, f"critic.{name} must be >= 1 or null, got {value}")
     for name in ("total_training_steps",):
         value = cfg.trainer.total_training_steps
         need(value is None or value >= 1, f"trainer.{name} must be >= 1 or null, got {value}")
@@ -451,6 +458,14 @@ def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) ->
         elif not cfg.actor.use_dynamic_bsz and (samples // dp) % cfg.actor.micro_batch_size:
             errors.append(f"actor.micro_batch_size = {cfg.actor.micro_batch_size} must divide the "
                           f"{samples // dp} samples per rank of a mini-batch")
+        crit = cfg.critic
+        samples = (crit.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size) * r.n
+        if crit.enabled and samples % dp:
+            errors.append(f"critic.ppo_mini_batch_size * rollout.n = {samples} samples must split evenly over "
+                          f"data-parallel size {dp}")
+        elif crit.enabled and not cfg.actor.use_dynamic_bsz and (samples // dp) % crit.micro_batch_size:
+            errors.append(f"critic.micro_batch_size = {crit.micro_batch_size} must divide the "
+                          f"{samples // dp} samples per rank of a critic mini-batch")
     if rollout_gpus(cfg) % r.tp_size:
         errors.append(f"rollout.tp_size = {r.tp_size} must divide the rollout's {rollout_gpus(cfg)} {unit}")
     if r.tp_size % r.ep_size:
@@ -516,16 +531,19 @@ def _check_algorithm(cfg: Config, errors: list[str]) -> None:
                       f"(it compares the responses of one prompt), got {r.n}")
     if alg.adv_estimator == "gae" and not cfg.critic.enabled:
         errors.append("algorithm.adv_estimator 'gae' needs critic.enabled: true")
-    if d.train_batch_size % a.ppo_mini_batch_size:
-        errors.append(f"actor.ppo_mini_batch_size = {a.ppo_mini_batch_size} must divide "
-                      f"data.train_batch_size = {d.train_batch_size}")
+    for section, mini in (("actor", a.ppo_mini_batch_size), ("critic", cfg.critic.ppo_mini_batch_size)):
+        if mini is not None and d.train_batch_size % mini:
+            errors.append(f"{section}.ppo_mini_batch_size = {mini} must divide "
+                          f"data.train_batch_size = {d.train_batch_size}")
     if r.max_prompt_len is not None and r.max_prompt_len != d.max_prompt_length:
         errors.append(f"rollout.max_prompt_len = {r.max_prompt_len} differs from data.max_prompt_length = "
                       f"{d.max_prompt_length} (leave rollout.max_prompt_len unset)")
     seq_len = d.max_prompt_length + r.max_response_len
-    if a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu < seq_len:
-        errors.append(f"actor.ppo_max_token_len_per_gpu = {a.ppo_max_token_len_per_gpu} is below one full "
-                      f"sequence (max_prompt_length + max_response_len = {seq_len})")
+    for section, budget in (("actor", a.ppo_max_token_len_per_gpu),
+                            ("critic", cfg.critic.ppo_max_token_len_per_gpu)):
+        if a.use_dynamic_bsz and budget is not None and budget < seq_len:
+            errors.append(f"{section}.ppo_max_token_len_per_gpu = {budget} is below one full "
+                          f"sequence (max_prompt_length + max_response_len = {seq_len})")
     if not d.train_files and d.task is None:
         errors.append("data: set data.train_files or data.task")
     if d.task is not None:

@@ -118,6 +118,11 @@ def test_algorithm_and_batch_checks():
     assert "must divide data.train_batch_size" in errors_of(["actor.ppo_mini_batch_size=12"])
     assert "below one full sequence" in errors_of(["actor.use_dynamic_bsz=true",
                                                    "actor.ppo_max_token_len_per_gpu=10"])
+    assert "critic.ppo_mini_batch_size = 12 must divide" in errors_of(["critic.enabled=true",
+                                                                       "critic.ppo_mini_batch_size=12"])
+    assert "critic.ppo_max_token_len_per_gpu = 10 is below" in errors_of(["actor.use_dynamic_bsz=true",
+                                                                          "critic.ppo_max_token_len_per_gpu=10"])
+    assert "critic.micro_batch_size = 3 must divide" in errors_of(["critic.enabled=true", "critic.micro_batch_size=3"])
     assert "clip_ratio_c must be > 1" in errors_of(["actor.clip_ratio_c=1.0"])
     assert "did you mean 'copy_last'" in errors_of(["data.task=copy_lst"])
     assert "set data.train_files or data.task" in errors_of(["data.task=null"])

@@ -145,8 +145,18 @@ def _colocated_models(rank, root):
     from mcore_rl.actor import MegatronActor
 
     batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
-    cfg = actor_cfg("actor.micro_batch_size=3", "critic.enabled=true", "critic.micro_batch_size=2")
+    # the critic takes its own mini-batches: 2 optimizer steps per update where the actor takes 1
+    cfg = actor_cfg("actor.micro_batch_size=3", "critic.enabled=true", "critic.micro_batch_size=2",
+                    "critic.ppo_mini_batch_size=3")
     cfg["actor"]["lr"] = 1e-2
+    steps = {}
+    real_step = optim.step
+
+    def counted_step(model, opt):
+        steps[id(opt)] = steps.get(id(opt), 0) + 1
+        return real_step(model, opt)
+
+    optim.step = counted_step
     hf, init = os.path.join(root, "hf"), {"policy": os.path.join(root, "ckpt")}
     actor = MegatronActor(0, 1, 0, hf, cfg, init=init)
     mask = batch["response_mask"].bool()
@@ -159,6 +169,8 @@ def _colocated_models(rank, root):
         assert stats["actor/kl_coef"] == 0.5 and "actor/kl_loss" in stats and "actor/tis_weight_mean" in stats
         cstats = actor.update_critic(critic_batch)
         assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"} <= set(cstats)
+    assert (steps[id(actor.opt)], steps[id(actor.critic_opt)]) == (2, 4)
+    optim.step = real_step
     assert torch.equal(actor.ref_log_probs(batch), initial), "the reference policy moved"
     assert (actor.log_probs(batch) - initial)[mask].abs().max() > 1e-3, "the policy did not move"
     # policy and critic (with their optimizers) come back from a checkpoint into fresh models
