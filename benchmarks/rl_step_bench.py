@@ -162,6 +162,10 @@ def parse(argv=None):
         p.error("--corrupt-receiver needs the weight check")
     from mcore_rl.sync import PlanError
 
+    if args.tp > 1 and args.ep == 1 and model_dims(args).get("n_routed_experts"):
+        # experts replicated over TP get only their rank's token slice's grads (the trainer's
+        # config refuses this layout too: parallel.etp must then equal tp)
+        p.error("--tp > 1 with --ep 1 is a layout the trainer refuses for MoE models; use --ep > 1")
     try:  # layouts the sync cannot serve fail here, before any process starts
         rl_sync.engine_plan(model_dims(args), args, 0)
     except PlanError as e:
