@@ -30,7 +30,7 @@ def gpu_compiled(varying):
             if compiled is None:
                 compiled = torch.compile(fn)
             for t, dim in varying(x, *args):
-                torch._dynamo.mark_dynamic(t, dim)
+                torch._dynamo.maybe_mark_dynamic(t, dim)  # no error when a call has 0 or 1 tokens
             return compiled(x, *args)
 
         return call
