@@ -28,28 +28,6 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC_PEAK = 989e12  # dense bf16, H100/H200 SXM spec sheet
-MATMUL_PEAK = 790e12  # 8192^3 bf16 matmul measured on the lent machines (device KINDS.md)
-
-
-def flops_per_token(model, hf, seq: int) -> float:
-    """6 x (dense + routed x topk/E) non-embedding parameters, + causal attention, fwd+bwd, per token."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    # the output layer counts when the model has one (--head)
-    dense = sum(p.numel() for n, p in model.named_parameters() if "embedding" not in n and "local_experts" not in n)
-    routed = sum(p.numel() for n, p in model.named_parameters() if "local_experts" in n)
-    t = torch.tensor([float(dense), float(routed)], device=next(model.parameters()).device)
-    d, r = t.clone(), t.clone()
-    dist.all_reduce(d, group=ps.get_model_parallel_group())
-    dist.all_reduce(r, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-    active = d[0].item() + (r[1].item() * hf.get("num_experts_per_tok") / hf.num_experts if hf.num_experts else 0)
-    qk = hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0) if hf.is_mla else hf.head_dim
-    v = hf.get("v_head_dim") if hf.is_mla else hf.head_dim
-    return 6 * active + 6 * hf.num_layers * hf.num_attention_heads * (qk + v) * seq * 0.5
-
-
 def _time(model, ids, steps: int, sync) -> list[float]:
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     labels = torch.roll(ids, -1, 1) if model.post_process else None
@@ -88,6 +66,7 @@ def worker(rank: int, args, port: int, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.gpus), LOCAL_RANK=str(rank))
     sys.path.insert(0, ROOT)
+    from benchmarks.flops import MATMUL_PEAK, SPEC_PEAK, flops_per_token
     from benchmarks.shapes import hf_config
     from mcore_rl.models import HFModel, build_model, transformer_config
     from mcore_rl.parallel import Layout, init_distributed
@@ -113,8 +92,10 @@ def worker(rank: int, args, port: int, results):
             torch.cuda.reset_peak_memory_stats()
         times = _time(model, ids, args.steps, sync)
         med = statistics.median(times)
-        tokens = args.batch * args.seq * (args.gpus // (args.tp * args.ep) or 1)
-        tflops = flops * args.batch * args.seq / med / (args.tp * args.ep) / 1e12
+        # every data-parallel rank (gpus / tp of them; EP ranks are DP ranks for the dense part)
+        # runs its own batch; the TP ranks of one replica share its work
+        tokens = args.batch * args.seq * (args.gpus // args.tp)
+        tflops = flops * args.batch * args.seq / med / args.tp / 1e12
         row = dict(experts="grouped" if grouped else "loop", median_s=med, times_s=times,
                    tokens_per_s=tokens / med, tflops_per_gpu=tflops,
                    pct_of_spec_peak=100 * tflops * 1e12 / SPEC_PEAK,

@@ -29,38 +29,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import rl_sync  # noqa: E402
+from benchmarks.flops import MATMUL_PEAK, flops_per_token  # noqa: E402
 from mcore_rl.sync.checksum import WeightMismatch  # noqa: E402
-MATMUL_PEAK = 790e12  # bf16 dense matmul measured on the lent H100/H200 (KINDS.md)
 
 
 def model_dims(args) -> dict:
     from benchmarks.shapes import hf_config
 
     return hf_config("tiny_cpu.yaml" if args.tiny else args.config, args.layers)
-
-
-def active_flops_per_token(actor, seq: int) -> float:
-    """6 x (dense params + routed-expert params x topk/E) + causal attention, fwd+bwd, per token."""
-    import torch.distributed as dist
-
-    ps, hf = actor.ps, actor.hf
-    local = {True: 0, False: 0}
-    for name, p in actor.model.named_parameters():
-        if "embedding" not in name:
-            local["local_experts" in name] += p.numel()
-    dense = torch.tensor(float(local[False]))
-    experts = torch.tensor(float(local[True]))
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dense, experts = dense.to(dev), experts.to(dev)
-    dist.all_reduce(dense, group=ps.get_model_parallel_group())
-    dist.all_reduce(experts, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-    active = dense.item()
-    if hf.num_experts:
-        active += experts.item() * hf.get("num_experts_per_tok") / hf.num_experts
-    qk = hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0) if hf.is_mla else hf.head_dim
-    v = hf.get("v_head_dim") if hf.is_mla else hf.head_dim
-    attn = 6 * hf.num_layers * hf.num_attention_heads * (qk + v) * seq * 0.5  # causal
-    return 6 * active + attn
 
 
 def worker(rank: int, args, hf_dir: str, cfg: dict, port: int, results, verdicts, conns):
@@ -72,7 +48,7 @@ def worker(rank: int, args, hf_dir: str, cfg: dict, port: int, results, verdicts
     vocab = actor.hf.vocab_size
     B, P, R = args.batch * actor.ps.get_data_parallel_world_size(), args.prompt, args.response
     gen = torch.Generator().manual_seed(0)
-    flops_tok = active_flops_per_token(actor, P + R)
+    flops_tok = flops_per_token(actor.model, actor.hf, P + R)
     weights = rl_sync.WeightSync(rank, args, model_dims(args), conns)
     times = {k: [] for k in ("rollout", "old_log_prob", "update", "sync", "step")}
     for step in range(args.steps + 1):  # step 0 warms up (and opens the IPC handles)
