@@ -162,35 +162,62 @@ class MegatronActor:
         sl = self._dp_slice(len(batch["tokens"]))
         return {k: batch[k][sl] for k in keys if batch.get(k) is not None}
 
-    # ---- rollout (the embedded engine runs on the policy's own shards) ---------------------------
-    @torch.no_grad()
-    def generate(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, max_new: int, temperature: float,
-                 seed: int):
-        """Sample `max_new` tokens for this rank's slice of left-padded `prompts` [B, P].
+    # ---- what rollout engines need from the trainer ------------------------------------------------
+    def run(self, fn, *args):
+        """`fn(self, *args)` on this rank: code that works on its shards (the embedded engine)."""
+        return fn(self, *args)
 
-        Returns (tokens [b, P + max_new], log-probs of the sampled tokens [b, max_new]) as the
-        engine sampled them: the rollout log-probs of truncated importance sampling.
-        """
-        self.model.eval()
-        sl = self._dp_slice(len(prompts))
-        tokens, attn = prompts[sl], prompt_mask[sl]
-        gen = torch.Generator(self.device).manual_seed(seed + self.ps.get_data_parallel_rank())
-        rows, logps = list(range(len(tokens))), []
-        for _ in range(max_new):
-            pad_to = self._max_over_ranks([int(attn.sum())])[0]
-            packed = self._pack({"tokens": tokens, "attention_mask": attn}, 0, rows,
-                                -(-pad_to // self.layout.tp) * self.layout.tp)
-            last = pipeline.forward(self.model, [packed], lambda y, k: F.log_softmax(
-                y[packed.last].float() / temperature, -1), tp_gather=True)  # one decode step
-            nxt = torch.zeros(len(rows), 1, dtype=torch.long, device=self.device)
-            if last and rows:  # the last stage samples; every rank must append its token
-                nxt = torch.multinomial(last[0].exp(), 1, generator=gen)
-            self._from_last_stage(nxt)
-            if last:
-                logps.append(last[0].gather(-1, nxt).cpu())
-            nxt = nxt.cpu()
-            tokens, attn = torch.cat([tokens, nxt], 1), torch.cat([attn, torch.ones_like(nxt)], 1)
-        return (tokens, torch.cat(logps, 1)) if self._is_reporter() else None
+    def where(self) -> dict:
+        """This rank's node and device: engines are placed on (colocated) or matched to them."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        out = {"rank": self.rank, "node": ctx.get_node_id(), "ip": ray.util.get_node_ip_address()}
+        if self.device.type == "cuda":
+            from mcore_rl.sync.placement import local_gpu_slot
+
+            out.update(gpu_ids=[str(g) for g in ray.get_gpu_ids()], uuid=local_gpu_slot(out["node"]).gpu_uuid)
+        else:  # a gloo process stands in for a GPU: a name unique to it
+            out.update(gpu_ids=[], uuid=f"cpu-{out['node'][:8]}-{self.rank}")
+        return out
+
+    def setup_sync(self, spec) -> None:
+        """Plan, live shards and transport for syncing into the rollout engines, built once.
+        Offloaded weights are read from their host copies (streamed bucket by bucket)."""
+        from mcore_rl.sync.session import SyncSession
+
+        read = self._state_offloader().read if self.device.type == "cuda" else None
+        self.sync_session = SyncSession(self.model, spec, read=read)
+
+    def sync_weights(self, verify: bool = False) -> dict:
+        return self.sync_session.run(verify)
+
+    def _state_offloader(self):
+        if getattr(self, "_offloader", None) is None:
+            from mcore_rl.memory.offload import StorageOffloader
+
+            self._offloader = StorageOffloader(self._train_state_tensors)
+        return self._offloader
+
+    def _train_state_tensors(self):
+        """Params, grad buffers (through main_grad views) and optimizer states of policy and critic."""
+        for _, model, opt in self._parts():
+            for p in model.parameters():
+                yield p
+                if getattr(p, "main_grad", None) is not None:
+                    yield p.main_grad
+            for sub in optim._subs(opt):
+                inner = getattr(sub, "optimizer", sub)
+                yield from (p for g in inner.param_groups for p in g["params"])
+                yield from (v for st in inner.state.values() for v in st.values() if torch.is_tensor(v))
+
+    def offload_states(self) -> int:
+        """Params, grads and optimizer states to pinned host memory while a colocated engine runs."""
+        return self._state_offloader().offload() if self.device.type == "cuda" else 0
+
+    def onload_states(self) -> None:
+        if self.device.type == "cuda":
+            self._state_offloader().onload()
 
     # ---- per-token outputs of the policy, the reference and the critic ---------------------------
     @torch.no_grad()

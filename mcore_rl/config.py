@@ -66,12 +66,13 @@ class ClusterConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["embedded", "sglang"] = "sglang"
+    engine: Literal["embedded", "sglang"] = "sglang"  # mcore_rl/rollout/: one file per engine
     n: int = 8  # responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     max_prompt_len: int | None = None  # defaults to data.max_prompt_length
     max_response_len: int = 1024
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
     tp_size: int = 1
     ep_size: int = 1
     mem_fraction_static: float = 0.7
@@ -80,6 +81,13 @@ class RolloutConfig:
     val_n: int = 1
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph
     chunked_prefill_size: int = 8192  # prefill tokens per forward
+    attention_backend: str | None = None  # SGLang's; null: its default (CPU: torch_native)
+    cpu_kv_tokens: int = 8192  # KV cache size of an engine on CPU (there it is not a fraction of memory)
+    sync_transport: Literal["auto", "ipc", "broadcast", "disk"] = "auto"  # auto: ipc colocated, else broadcast
+    verify_sync_every: int = 0  # read the engines back after the first sync and every N steps (0: first only)
+    timeout_s: float = 600.0  # an engine call (generate, sync, release) that takes longer is an error
+    start_timeout_s: float = 900.0
+    log_level: str = "error"  # the engine's own log level
 
 
 @dataclass
@@ -387,7 +395,7 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     positive = {
         "parallel": ("tp", "pp", "ep", "etp"), "cluster": ("nnodes", "n_gpus_per_node"),
         "rollout": ("n", "max_response_len", "tp_size", "ep_size", "val_n", "cuda_graph_max_bs",
-                    "chunked_prefill_size"),
+                    "chunked_prefill_size", "cpu_kv_tokens"),
         "memory": ("sync_bucket_mb",),
         "actor": ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size", "ppo_max_token_len_per_gpu"),
         "critic": ("ppo_epochs", "micro_batch_size"),
@@ -415,6 +423,9 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     need(r.val_temperature >= 0, f"rollout.val_temperature must be >= 0, got {r.val_temperature}")
     need(a.lr_warmup_steps >= 0, f"actor.lr_warmup_steps must be >= 0, got {a.lr_warmup_steps}")
     need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    need(r.timeout_s > 0 and r.start_timeout_s > 0,
+         f"rollout.timeout_s and start_timeout_s must be > 0, got {r.timeout_s} and {r.start_timeout_s}")
+    need(r.verify_sync_every >= 0, f"rollout.verify_sync_every must be >= 0, got {r.verify_sync_every}")
     mem = cfg.memory
     need(mem.gpu_memory_gb is None or mem.gpu_memory_gb > 0,
          f"memory.gpu_memory_gb must be > 0 or null, got {mem.gpu_memory_gb}")
@@ -470,8 +481,17 @@ def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) ->
         errors.append(f"rollout.tp_size = {r.tp_size} must divide the rollout's {rollout_gpus(cfg)} {unit}")
     if r.tp_size % r.ep_size:
         errors.append(f"rollout.ep_size = {r.ep_size} must divide rollout.tp_size = {r.tp_size}")
-    if r.engine == "sglang" and c.device == "cpu":
-        errors.append("rollout.engine 'sglang' needs cluster.device 'gpu' (use 'embedded' on CPU)")
+    if r.engine == "embedded" and not c.colocate:
+        errors.append("rollout.engine 'embedded' samples on the trainer's own shards: it needs cluster.colocate: true")
+    if r.engine != "embedded" and r.sync_transport == "ipc" and not c.colocate:
+        errors.append("rollout.sync_transport 'ipc' needs cluster.colocate: true (use 'broadcast' or 'disk')")
+    per = c.n_gpus_per_node
+    if r.tp_size > per and r.tp_size % per:
+        errors.append(f"rollout.tp_size = {r.tp_size} spans nodes: it must be a multiple of "
+                      f"cluster.n_gpus_per_node = {per}")
+    elif r.tp_size <= per and per % r.tp_size:
+        errors.append(f"rollout.tp_size = {r.tp_size} must divide cluster.n_gpus_per_node = {per} "
+                      "(an engine may not straddle nodes)")
 
 
 def _check_embedded_shapes(m: ModelConfig, errors: list[str]) -> None:

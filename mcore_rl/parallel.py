@@ -28,6 +28,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def node_rendezvous() -> tuple[str, int]:
+    """(this node's address, a port free on it): run on the node that will listen."""
+    import ray
+
+    addr = ray.util.get_node_ip_address()
+    return addr, free_port(addr)
+
+
+def rendezvous_on(pg, bundle: int) -> tuple[str, int]:
+    """node_rendezvous() on the node of placement-group bundle `bundle` (not on the driver's)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    on = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+    return ray.get(ray.remote(num_cpus=0)(node_rendezvous).options(scheduling_strategy=on).remote())
+
+
 def init_distributed(layout: Layout = Layout(), *, rank: int | None = None,
                      world_size: int | None = None, init_method: str | None = None,
                      backend: str | None = None, seed: int = 1234) -> None:

@@ -26,22 +26,44 @@ def pad_prompts(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def response_mask(resp: torch.Tensor, eos: int | None) -> torch.Tensor:
-    """1 up to and including the first EOS."""
-    if eos is None:
-        return torch.ones_like(resp, dtype=torch.float32)
-    hit = (resp == eos).int()
-    return ((hit.cumsum(1) - hit) == 0).float()
-
-
-def rollout(group, source, idx: list[int], max_new: int, temperature: float, seed: int) -> dict:
+def rollout(engine, source, idx: list[int], params) -> dict:
+    """Sample one completion per entry of `idx` (prompt indices, each repeated rollout.n times in a
+    row) with the rollout engine, as a batch: tokens [B, P + R] (left-padded prompts, responses
+    right-padded to the longest), attention_mask, response_mask (1 up to and including the stop
+    token) and the engine's log-probs of its sampled tokens (rollout_log_probs)."""
     tok = source.tokenizer
+    n = params.n
+    firsts = idx[::n]
+    if [i for i in firsts for _ in range(n)] != idx:
+        raise ValueError(f"prompt indices must come in runs of rollout.n = {n}")
+    done = [c for group in engine.generate([source.prompts[i] for i in firsts], params) for c in group]
     prompts, pmask = pad_prompts([source.prompts[i] for i in idx], tok.pad_token_id or 0)
-    outs = group.call("generate", prompts, pmask, max_new, temperature, seed)
-    tokens = torch.cat([o[0] for o in outs])
-    resp_mask = response_mask(tokens[:, prompts.shape[1]:], getattr(tok, "eos_token_id", None))
-    return {"tokens": tokens, "attention_mask": torch.cat([pmask, resp_mask.long()], 1),
-            "response_mask": resp_mask, "rollout_log_probs": torch.cat([o[1] for o in outs])}
+    R = max(1, max(len(c.token_ids) for c in done))
+    resp = torch.full((len(done), R), tok.pad_token_id or 0, dtype=torch.long)
+    resp_mask = torch.zeros(len(done), R)
+    logps = torch.zeros(len(done), R)
+    for i, c in enumerate(done):
+        k = len(c.token_ids)
+        resp[i, :k] = torch.as_tensor(c.token_ids, dtype=torch.long)
+        resp_mask[i, :k] = 1
+        logps[i, :k] = torch.as_tensor(c.log_probs, dtype=torch.float32)
+    return {"tokens": torch.cat([prompts, resp], 1), "attention_mask": torch.cat([pmask, resp_mask.long()], 1),
+            "response_mask": resp_mask, "rollout_log_probs": logps}
+
+
+def sampling_params(cfg: C.Config, source, seed: int, validation: bool = False):
+    """The rollout's SamplingParams: EOS of the prompts' tokenizer plus rollout.stop_token_ids stop a response."""
+    from mcore_rl.rollout.base import SamplingParams
+
+    r = cfg.rollout
+    return SamplingParams(n=r.val_n if validation else r.n, temperature=r.val_temperature if validation else r.temperature,
+                          top_p=1.0 if validation else r.top_p, max_new_tokens=r.max_response_len,
+                          stop_token_ids=stop_ids(cfg, source.tokenizer), seed=seed)
+
+
+def stop_ids(cfg: C.Config, tokenizer) -> tuple[int, ...]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return tuple(dict.fromkeys(([eos] if eos is not None else []) + list(cfg.rollout.stop_token_ids)))
 
 
 def scores(source, idx: list[int], batch: dict) -> torch.Tensor:
@@ -93,7 +115,8 @@ def data_metrics(batch: dict, score: torch.Tensor, rewards: torch.Tensor) -> dic
         out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-5)).item()
     if batch.get("rollout_log_probs") is not None and batch.get("old_log_probs") is not None:
         diff = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask.bool()]
-        out["rollout/logp_diff_abs_mean"] = diff.abs().mean().item()  # trainer vs engine mismatch
+        out["rollout/logp_diff_abs_mean"] = diff.abs().mean().item()  # engine vs trainer, same weights
+        out["rollout/logp_diff_abs_max"] = diff.abs().max().item()
     return out
 
 

@@ -1,7 +1,11 @@
-"""`python -m mcore_rl.train --config configs/NAME.yaml [dotted.key=value ...]`: the RL loop.
+"""`python -m mcore_rl.train --config configs/NAME.yaml [dotted.key=value ...] [--dry-run]`: the RL loop.
 
-Per step: rollout -> rewards -> advantages -> old log-probs -> policy update -> checkpoint.
-Megatron actors are Ray actors, one per GPU (one gloo process per "GPU" on CPU).
+Per step: rollout -> rewards -> advantages -> old log-probs -> policy update -> weight sync ->
+checkpoint. Megatron actors are Ray actors, one per GPU (one gloo process per "GPU" on CPU); the
+rollout engine (mcore_rl/rollout/: SGLang, or the embedded engine) runs in actors of its own.
+Colocated, each step also moves the GPUs between the two: the engine releases its weights and
+KV cache, the trainer onloads and trains, offloads, and the engine resumes and is synced.
+`--dry-run` validates everything and prints the placement and the memory plan, starting nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import torch
 
 from mcore_rl import config as C
+from mcore_rl.parallel import rendezvous_on
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -62,9 +67,11 @@ class ActorGroup:
 
         on = lambda i: PlacementGroupSchedulingStrategy(placement_group=self.pg,  # noqa: E731
                                                         placement_group_bundle_index=i)
-        # rank 0's node hosts the rendezvous: its address and a port free there, not on the driver
-        addr, port = ray.get(ray.remote(num_cpus=0)(_rendezvous).options(scheduling_strategy=on(0)).remote())
-        remote = ray.remote(num_cpus=1, num_gpus=0 if cpu else 1)(MegatronActor)
+        addr, port = rendezvous_on(self.pg, 0)  # rank 0's node hosts the rendezvous, not the driver's
+        from mcore_rl.rollout.launch import TRAINER_GPU_SHARE
+
+        share = 1 if cfg.rollout.engine == "embedded" or not cfg.cluster.colocate else TRAINER_GPU_SHARE
+        remote = ray.remote(num_cpus=1, num_gpus=0 if cpu else share)(MegatronActor)
         d = C.to_dict(cfg)
         self.actors = [remote.options(scheduling_strategy=on(i)).remote(i, n, port, hf_dir, d, addr, init)
                        for i in range(n)]
@@ -79,16 +86,44 @@ class ActorGroup:
         return [o for o in out if o is not None]
 
 
-def _rendezvous() -> tuple[str, int]:
-    import ray
+class Phases:
+    """Who holds the GPUs: with an engine of its own weights, colocated, the Colocation choreography
+    (mcore_rl.memory.colocate) around each update; otherwise just the sync after it."""
 
-    from mcore_rl.parallel import free_port
+    def __init__(self, cfg: C.Config, group: ActorGroup, engine, sync):
+        from mcore_rl.memory.colocate import Colocation
 
-    addr = ray.util.get_node_ip_address()
-    return addr, free_port(addr)
+        self.sync, self.colo = sync, None
+        if engine.owns_weights and cfg.cluster.colocate:
+            trainer = _Trainer(group)
+            self.colo = Colocation(engine, trainer, sync, offload_train_states=cfg.memory.offload_train_states)
+
+    def to_train(self) -> None:
+        if self.colo is not None:
+            self.colo.to_train()
+
+    def to_rollout(self, step: int) -> dict:
+        if self.sync is None:
+            return {}
+        out = self.colo.to_rollout(step=step) if self.colo else self.sync(step)
+        if self.colo:
+            out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
+        return out
 
 
-def rl_step(cfg: C.Config, group: ActorGroup, source, prompt_idx: list[int], step: int, kl_ctrl=None) -> dict:
+class _Trainer:
+    def __init__(self, group):
+        self.group = group
+
+    def offload(self):
+        return self.group.call("offload_states")
+
+    def onload(self):
+        self.group.call("onload_states")
+
+
+def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, prompt_idx: list[int], step: int,
+            kl_ctrl=None) -> dict:
     from mcore_rl import ppo
 
     t0, times = time.perf_counter(), {}
@@ -100,10 +135,12 @@ def rl_step(cfg: C.Config, group: ActorGroup, source, prompt_idx: list[int], ste
         return out
 
     idx = [i for i in prompt_idx for _ in range(cfg.rollout.n)]
-    batch = ppo.rollout(group, source, idx, cfg.rollout.max_response_len, cfg.rollout.temperature,
-                        cfg.trainer.seed * 100003 + step)
+    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, cfg.trainer.seed * 100003 + step))
     times["timing/rollout"] = time.perf_counter() - t0
     score = ppo.scores(source, idx, batch)
+    t = time.perf_counter()
+    phases.to_train()
+    times["timing/to_train"] = time.perf_counter() - t
     batch["old_log_probs"] = torch.cat(timed("old_log_prob", "log_probs", batch))
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
@@ -113,10 +150,14 @@ def rl_step(cfg: C.Config, group: ActorGroup, source, prompt_idx: list[int], ste
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
         metrics.update(_mean(timed("update_critic", "update_critic", batch)))
     metrics.update(_mean(timed("update_actor", "update", batch)))
+    t = time.perf_counter()
+    metrics.update(phases.to_rollout(step))  # the engine gets the updated weights for the next step
+    times["timing/to_rollout"] = time.perf_counter() - t
     times["timing/step"] = time.perf_counter() - t0
     mask = batch["response_mask"]
     metrics.update({"reward/mean": score.mean().item(), "response/length": mask.sum(1).mean().item(),
-                    "perf/tokens_per_s": mask.sum().item() / times["timing/step"], **times})
+                    "perf/tokens_per_s": mask.sum().item() / times["timing/step"],
+                    "perf/rollout_tokens_per_s": mask.sum().item() / times["timing/rollout"], **times})
     return metrics
 
 
@@ -124,13 +165,17 @@ def _mean(stats: list[dict]) -> dict:
     return {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
 
 
-def validate(cfg, group, source) -> dict:
+def validate(cfg, engine, source) -> dict:
     from mcore_rl import ppo
 
     idx = list(range(len(source.prompts)))
     size = cfg.data.val_batch_size or len(idx)
-    scores = [ppo.scores(source, chunk, ppo.rollout(group, source, chunk, cfg.rollout.max_response_len, 1e-4, 0))
-              for chunk in (idx[s:s + size] for s in range(0, len(idx), size))]
+    n = cfg.rollout.val_n
+    scores = []
+    for s in range(0, len(idx), size):
+        chunk = [i for i in idx[s:s + size] for _ in range(n)]
+        batch = ppo.rollout(engine, source, chunk, ppo.sampling_params(cfg, source, 0, validation=True))
+        scores.append(ppo.scores(source, chunk, batch))
     return {"val/reward": torch.cat(scores).mean().item()}
 
 
@@ -158,8 +203,6 @@ def train(cfg: C.Config) -> dict:
     import ray
 
     from mcore_rl.data.prompts import load_prompt_sources
-    from mcore_rl.metrics import MetricsLogger
-    from mcore_rl.ppo import kl_controller
 
     t = cfg.trainer
     run_dir = os.path.abspath(t.output_dir)
@@ -172,33 +215,54 @@ def train(cfg: C.Config) -> dict:
         if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
             ray.init(log_to_driver=True)
         else:  # a local run: a private Ray on loopback
-            ray.init(num_cpus=max(2, C.actor_gpus(cfg)), include_dashboard=False,
+            ray.init(num_cpus=max(2, cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node), include_dashboard=False,
                      _node_ip_address="127.0.0.1", log_to_driver=True)
     group = ActorGroup(cfg, hf_dir, init)
-    start, resumed = 0, latest_checkpoint(ckpt_root) if t.resume == "auto" else None
-    state = {}
-    if resumed:
-        start = resumed[0]
-        group.call("load", resumed[1])
-        with open(os.path.join(resumed[1], "trainer_state.json")) as f:
-            state = json.load(f)
-        _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
-        print(f"resumed from {resumed[1]} (step {start})", flush=True)
+    engine = sync = None
+    try:
+        start, resumed = 0, latest_checkpoint(ckpt_root) if t.resume == "auto" else None
+        state = {}
+        if resumed:
+            start = resumed[0]
+            group.call("load", resumed[1])
+            with open(os.path.join(resumed[1], "trainer_state.json")) as f:
+                state = json.load(f)
+            _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
+            print(f"resumed from {resumed[1]} (step {start})", flush=True)
+        from mcore_rl.ppo import stop_ids
+        from mcore_rl.rollout.launch import launch
+
+        engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
+                              train_task.tokenizer.pad_token_id or 0)
+        if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
+            print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in sync(start).items()}), flush=True)
+        phases = Phases(cfg, group, engine, sync)
+        return _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+
+
+def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state) -> dict:
+    from mcore_rl.metrics import MetricsLogger
+    from mcore_rl.ppo import kl_controller
+
+    t = cfg.trainer
     logger = MetricsLogger(run_dir, t.logger, project=t.project, experiment=t.experiment,
                            config=C.to_dict(cfg))
     B = cfg.data.train_batch_size
     per_epoch = len(train_task.prompts) // B
     total = t.total_training_steps or t.total_epochs * per_epoch
     if t.val_before_train and start == 0 and val_task:
-        logger.log(validate(cfg, group, val_task), step=0)
+        logger.log(validate(cfg, engine, val_task), step=0)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
     for step in range(start + 1, total + 1):
         order = torch.randperm(len(train_task.prompts),
                                generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
         k = (step - 1) % per_epoch
-        metrics = rl_step(cfg, group, train_task, order[k * B:(k + 1) * B].tolist(), step, kl_ctrl)
+        metrics = rl_step(cfg, group, engine, phases, train_task, order[k * B:(k + 1) * B].tolist(), step, kl_ctrl)
         if val_task and (t.test_freq > 0 and step % t.test_freq == 0 or step == total):
-            metrics.update(validate(cfg, group, val_task))
+            metrics.update(validate(cfg, engine, val_task))
         logger.log(metrics, step=step)
         if t.save_freq > 0 and step % t.save_freq == 0 or step == total:
             save_checkpoint(group, ckpt_root, step, hf_dir, {"kl_coef": kl_ctrl.value} if kl_ctrl else {})
@@ -235,19 +299,48 @@ def save_checkpoint(group: ActorGroup, ckpt_root: str, step: int, hf_dir: str, s
     return final
 
 
+def dry_run(cfg: C.Config) -> list[str]:
+    """What a run of `cfg` would start, as lines: trainer ranks, engines, sync, memory plan."""
+    from mcore_rl.rollout.placement import plan_placement
+    from mcore_rl.rollout.weights import transport_for
+
+    c, p = cfg.cluster, cfg.parallel
+    world = C.actor_gpus(cfg)
+    unit = "GPU" if c.device == "gpu" else "process"
+    lines = [f"cluster: {c.nnodes} node(s) x {c.n_gpus_per_node} {unit}(s), device {c.device}",
+             f"trainer: {world} Megatron ranks on {unit}s 0..{world - 1}: TP={p.tp} PP={p.pp} EP={p.ep} "
+             f"ETP={p.etp} DP={world // (p.tp * p.pp)}, {cfg.model.dtype}"]
+    if cfg.rollout.engine == "embedded":
+        lines.append("rollout: embedded engine on the trainer's own shards (no sync)")
+    else:
+        lines += plan_placement(cfg).describe()
+        lines.append(f"weight sync: {transport_for(cfg)}, verified by read-back after the first sync"
+                     + (f" and every {cfg.rollout.verify_sync_every} steps" if cfg.rollout.verify_sync_every else ""))
+    if c.device == "gpu":
+        from mcore_rl.memory.planner import PlanError
+        from mcore_rl.plan import plan_for_config
+
+        try:
+            plan, source = plan_for_config(cfg)
+            lines += ["memory plan per GPU (capacity from " + source + "):", *plan.table().splitlines()]
+        except PlanError as e:
+            lines += [*(e.plan.table().splitlines() if e.plan else []), f"memory plan REFUSED: {e}"]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mcore_rl.train", description=__doc__)
     p.add_argument("--config", required=True)
+    p.add_argument("--dry-run", action="store_true", help="validate and print the placement and memory plan")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     a = p.parse_args(argv)
     try:
         cfg = C.load_config(a.config, a.overrides)
+        if a.dry_run:
+            print("\n".join(dry_run(cfg)))
+            return 0
     except C.ConfigError as e:
         print(f"config error: {e}")
-        return 2
-    if cfg.rollout.engine != "embedded":
-        print("config error: rollout.engine=sglang needs the SGLang engine (GPU); "
-              "use rollout.engine=embedded here")
         return 2
     t0 = time.perf_counter()
     m = train(cfg)

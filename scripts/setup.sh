@@ -11,4 +11,8 @@ pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
 "${pip[@]}" install "torch==${TORCH}"
 echo "torch==${TORCH}" > .venv/torch-constraint.txt
 "${pip[@]}" install -c .venv/torch-constraint.txt -e ".[dev]"
+# SGLang's real engine on CPU, the rollout engine of the tests and of `rollout.engine=sglang` here
+"${pip[@]}" install --no-deps "sglang==${SGLANG_CPU_VERSION:-0.5.20}"
+"${pip[@]}" install -c .venv/torch-constraint.txt -r scripts/requirements-sglang-cpu.txt
 .venv/bin/python -c "import mcore_rl, megatron.core, transformers, ray; print('mcore_rl ready:', megatron.core.__version__)"
+.venv/bin/python -c "from mcore_rl.rollout import sglang_cpu; sglang_cpu.install(); import sglang; print('sglang (CPU engine):', sglang.__version__)"

@@ -66,9 +66,9 @@ class Colocation:
         self.phase = "rollout"
         self.timings: dict[str, list[float]] = {}
 
-    def _timed(self, name: str, fn, *args):
+    def _timed(self, name: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
-        out = fn(*args)
+        out = fn(*args, **kwargs)
         self.timings.setdefault(name, []).append(time.perf_counter() - t0)
         return out
 
@@ -89,14 +89,16 @@ class Colocation:
             self._timed("onload_trainer", self.trainer.onload)
         self.phase = "train"
 
-    def to_rollout(self) -> None:
+    def to_rollout(self, **sync_kwargs):
+        """Returns what the sync returned (its stats)."""
         if self.phase != "train":
             raise RuntimeError(f"to_rollout() called in phase {self.phase!r}")
         if self.offload_train_states:
             self._timed("offload_trainer", self.trainer.offload)
         self._check("weights")
         self._timed("resume_weights", self.engine.resume, ["weights"])
-        self._timed("sync", self.sync)
+        out = self._timed("sync", self.sync, **sync_kwargs)
         self._check("kv_cache")
         self._timed("resume_kv_cache", self.engine.resume, ["kv_cache", "cuda_graph"])
         self.phase = "rollout"
+        return out

@@ -63,3 +63,67 @@ class StateOffloader:
                 t.data = t.data.to(device, non_blocking=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
+
+
+class StorageOffloader:
+    """Moves whole storages to pinned host memory and back: the device memory is freed (the storage
+    shrinks to 0 bytes) but every tensor and view into it stays the same object, so megatron's
+    contiguous param/grad buffers, the params viewing them and the optimizer's shard views all stay
+    valid. `tensors()` is asked at every offload (optimizer states appear after the first step);
+    host buffers are reused while the storages keep their sizes. While offloaded, `read(t)` gives
+    a tensor's values from the host copy (the weight sync streams them to the GPU bucket by bucket).
+    Used for the trainer's states while a colocated engine runs (`MegatronActor.offload_states`).
+    """
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+        self.storages: list = []
+        self.host: list[torch.Tensor] = []
+        self.by_storage: dict[int, torch.Tensor] = {}  # StorageImpl address -> its host copy
+
+    def _collect(self) -> list:
+        out, seen = [], set()
+        for t in self.tensors():
+            s = t.untyped_storage()
+            if t.device.type == "cuda" and s._cdata not in seen and s.nbytes():
+                seen.add(s._cdata)
+                out.append(s)
+        return out
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.by_storage)
+
+    @torch.no_grad()
+    def offload(self) -> int:
+        if self.offloaded:
+            return 0
+        self.storages = self._collect()
+        sizes = [s.nbytes() for s in self.storages]
+        if sizes != [h.numel() for h in self.host]:
+            self.host = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+        for s, host in zip(self.storages, self.host):
+            host.copy_(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s), non_blocking=True)
+        torch.cuda.synchronize()
+        for s, host in zip(self.storages, self.host):
+            self.by_storage[s._cdata] = host
+            s.resize_(0)
+        torch.cuda.empty_cache()  # the engine's processes cannot use our allocator's cached blocks
+        return sum(sizes)
+
+    @torch.no_grad()
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        for s, host in zip(self.storages, self.host):
+            s.resize_(host.numel())
+            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        self.by_storage.clear()
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` itself, or, while its storage is offloaded, the same view of the host copy."""
+        host = self.by_storage.get(t.untyped_storage()._cdata)
+        if host is None:
+            return t
+        return torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.size(), t.stride())

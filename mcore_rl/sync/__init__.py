@@ -10,8 +10,9 @@ from mcore_rl.sync.gather import LiveShards, assemble
 from mcore_rl.sync.plan import EngineLayout, PlanError, SyncPlan, single_source
 
 
-def sync_weights(plan: SyncPlan, shards: LiveShards, transport, check=None) -> dict:
-    """Push every weight to the engine; `check(plan)` (e.g. a checksum comparison) runs after.
+def sync_weights(plan: SyncPlan, shards: LiveShards, transport, check=None, observe=None) -> dict:
+    """Push every weight to the engine; `check(plan)` (e.g. a checksum comparison) runs after, and
+    `observe(named)` sees each bucket this rank sends before it leaves (e.g. expected digests).
 
     Call on every trainer rank. Before the first transfer it asserts that the plan's view of this
     rank matches the model, so a wrong rank order or layout fails here, not as silent garbage.
@@ -25,6 +26,8 @@ def sync_weights(plan: SyncPlan, shards: LiveShards, transport, check=None) -> d
     for i, rb in enumerate(parts):
         named = assemble(rb, shards)
         sent += sum(t.numel() * t.element_size() for _, t in named)
+        if observe is not None:
+            observe(named)
         transport.send(named, last=i == len(parts) - 1)
         del named
     transport.end()

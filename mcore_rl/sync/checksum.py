@@ -1,25 +1,39 @@
 """Weight-equality check after a sync: per-tensor digests on both sides, compared by name.
 
-Off by default in production (it reads every byte once more); on in tests and the benchmark.
-Digests are computed where the tensor lives (on GPU too): int64 sums of the raw 32-bit words,
-plain and position-weighted. Integer addition wraps modulo 2^64 and is associative, so the result
-does not depend on reduction order, and a moved or flipped word changes it.
+Off by default in production (it reads every byte once more); on after the first sync of a run
+and in tests and benchmarks. Digests are computed where the tensor lives (on GPU too, in chunks):
+int64 sums of the raw 16-bit words, plain and weighted by position (mod 65521). Integer addition
+is associative, so the result does not depend on reduction order, and a moved or flipped word
+changes it. Given the element offset of a piece inside a larger tensor, the piece's digest is its
+share of the whole tensor's: pieces add up (mod 2^64) to the digest of what they tile, so the
+sync can check a fused SGLang parameter without ever building it.
 """
 
 from __future__ import annotations
 
 import torch
 
+_MOD = 65521
+_CHUNK = 1 << 24  # words per pass: bounds the int64 temporaries on the device
 
-def digest(t: torch.Tensor) -> tuple[int, int, int]:
-    """(bytes, sum of 32-bit words, position-weighted sum) of t's raw bytes; bit flips change it."""
+
+def digest(t: torch.Tensor, offset: int = 0) -> tuple[int, int, int]:
+    """(bytes, sum of 16-bit words, position-weighted sum) of t's raw bytes, t placed at element
+    `offset` of a larger contiguous tensor of its dtype."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
-    pad = (-raw.numel()) % 4
-    if pad:
-        raw = torch.cat([raw, raw.new_zeros(pad)])
-    words = raw.view(torch.int32).to(torch.int64)
-    pos = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64).remainder_(65521)
-    return raw.numel() - pad, int(words.sum()), int((words * pos).sum())
+    if raw.numel() % 2:
+        raw = torch.cat([raw, raw.new_zeros(1)])
+    words = raw.view(torch.int16)
+    first = offset * t.element_size() // 2  # this piece's first word in the whole tensor
+    plain = weighted = 0
+    for start in range(0, words.numel(), _CHUNK):
+        w = words[start:start + _CHUNK].to(torch.int64)
+        pos = torch.arange(first + start + 1, first + start + 1 + w.numel(), device=w.device,
+                           dtype=torch.int64).remainder_(_MOD)
+        plain += int(w.sum())
+        weighted += int((w * pos).sum())
+    mask = (1 << 64) - 1
+    return t.numel() * t.element_size(), plain & mask, weighted & mask
 
 
 def digests(named) -> dict[str, tuple[int, int, int]]:

@@ -23,12 +23,13 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 class LiveShards:
     """Global megatron names -> this rank's shard (parameters and the router's expert-bias buffer)."""
 
-    def __init__(self, model, plan: SyncPlan):
+    def __init__(self, model, plan: SyncPlan, read=None):
+        """`read(t)`: where t's values are now (offloaded trainer states: their host copy)."""
         from megatron.core import parallel_state as ps
 
         while hasattr(model, "module"):  # DDP / Float16Module wrappers
             model = model.module
-        self.plan = plan
+        self.plan, self.read = plan, read or (lambda t: t)
         layer_of = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
         local_experts = plan.hf.num_experts // plan.trainer.ep if plan.hf.num_experts else 0
         expert_base = ps.get_expert_model_parallel_rank() * local_experts
@@ -53,7 +54,7 @@ class LiveShards:
     def full(self, p: Param) -> dict[str, torch.Tensor]:
         """HF tensors of megatron parameter p (a collective over its TP group when TP-split)."""
         src = self.local[p.mcore]  # megatron's TP attributes live on the Parameter, not on .detach()
-        t = src.detach()
+        t = self.read(src.detach()).to(_device(), non_blocking=True)
         if getattr(src, "tensor_model_parallel", False):
             group = self.tp_group if p.expert is None else self.etp_group  # routed experts: expert-TP
             n = dist.get_world_size(group)

@@ -176,9 +176,10 @@ class SyncPlan:
     def build(cls, hf: HFModel, trainer: Layout, world: int, engine: EngineLayout,
               engine_rank_of: dict[int, int], bucket_bytes: int = 512 << 20,
               dtype: torch.dtype = torch.bfloat16) -> "SyncPlan":
-        """`engine_rank_of` maps each trainer rank that feeds the engine to its engine tp rank:
-        the colocated rank on the same GPU (CUDA IPC), or {0: every engine rank}-style single
-        source for NCCL broadcast / disk (pass `single_source(engine)`)."""
+        """`engine_rank_of` maps each trainer rank that feeds an engine to its engine tp rank:
+        the colocated rank on the same GPU (CUDA IPC; with several data-parallel engines every
+        tp rank appears once per engine), or {0: every engine rank}-style single source for NCCL
+        broadcast / disk (pass `single_source(engine)`)."""
         engine.validate(hf)
         try:
             validate_layout(hf, trainer.tp, trainer.pp, trainer.ep, trainer.etp)
@@ -194,9 +195,10 @@ class SyncPlan:
             raise PlanError(f"trainer ranks {bad} do not exist in a world of {world}")
         fed = sorted(engine_rank_of.values())
         single = fed == [-1]
-        if not single and fed != list(range(engine.tp_size)):
+        copies = len(fed) // engine.tp_size  # data-parallel engines, each fed by its own trainer ranks
+        if not single and (copies == 0 or fed != sorted(list(range(engine.tp_size)) * copies)):
             raise PlanError(f"engine ranks fed by the trainer are {fed}; need each of 0..{engine.tp_size - 1} "
-                            "exactly once (mismatched GPU counts?)")
+                            "once per engine (mismatched GPU counts?)")
         params = list(mapping_for(hf).params(hf))
         stages = stage_layers(hf.num_layers, trainer.pp)
         coords = [trainer_coords(r, world, trainer) for r in range(world)]

@@ -66,7 +66,16 @@ def sglang_wire():
     return MultiprocessingSerializer.serialize, FlattenedTensorMetadata
 
 
+def by_value():
+    """(serializer, metadata class) for CPU tensors: the bucket travels as it is (through Ray) and
+    the engine's side serializes it for its schedulers (`SGLangServer.update_weights_from_tensor`)."""
+    return (lambda obj: obj), dict
+
+
 class CudaIpcTransport(Transport):
+    """`engine_rank_of[trainer rank]` is the index of the payload it produces in the list the
+    engine call takes: its engine tp rank, or engine * tp_size + tp rank with several engines."""
+
     def __init__(self, engine, engine_rank_of: dict[int, int], driver: int = 0, serializer=None,
                  meta_cls=None, group=None):
         super().__init__(engine, driver)

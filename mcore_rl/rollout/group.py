@@ -1,0 +1,173 @@
+"""Data-parallel rollout engines as Ray actors: placement, batching, weight targets, failures.
+
+Each engine spans `tp_size` GPUs over `nnodes` nodes and runs as one Ray actor per node (only
+node 0 takes requests). Colocated, engine k sits on the trainer's GPUs k*tp .. (k+1)*tp - 1
+(the trainer's placement group, same bundles); otherwise engines get a placement group of their
+own. A batch is split into contiguous chunks, one per engine, and gathered back in order.
+
+Every call to an engine has a deadline: an engine that dies or hangs becomes an EngineError on
+the driver naming the engine, its node and what it was doing, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from mcore_rl.rollout.base import (MEMORY_TAGS, Completion, EngineError, Request, SamplingParams, flatten,
+                                   split, unflatten)
+
+
+def _wait(refs: list, what: str, names: list[str], timeout_s: float) -> list:
+    """ray.get with a deadline; failures name the engine (`names[i]` for refs[i])."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for ref, name in zip(refs, names):
+        try:
+            out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+        except ray.exceptions.GetTimeoutError:
+            raise EngineError(f"{name} did not finish {what} within {timeout_s:.0f}s (hung?)") from None
+        except ray.exceptions.RayActorError as e:
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EngineError(f"{name} died during {what}: {cause}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise EngineError(f"{name} failed {what}: {e.cause if hasattr(e, 'cause') else e}") from None
+    return out
+
+
+@dataclass
+class EngineTarget:
+    """The engines as the weight sync drives them, from trainer rank 0 (picklable: Ray handles).
+
+    Payload lists hold `tp_size` entries per engine, engine after engine; an update group spans
+    trainer rank 0 and every rank of every engine (engine k's ranks from 1 + k * tp_size)."""
+
+    actors: list  # node 0 of each engine
+    tp_size: int
+    timeout_s: float
+    names: list[str]
+
+    def _all(self, method: str, per_engine: Callable[[int], tuple] = lambda k: (), **kwargs):
+        refs = [getattr(a, method).remote(*per_engine(k), **kwargs) for k, a in enumerate(self.actors)]
+        return _wait(refs, method, self.names, self.timeout_s)
+
+    def begin_weight_update(self):
+        self._all("begin_weight_update")
+
+    def end_weight_update(self):
+        self._all("end_weight_update")
+
+    def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=True):
+        tp = self.tp_size
+        self._all("update_weights_from_tensor", lambda k: (payloads[k * tp:(k + 1) * tp],),
+                  load_format=load_format, flush_cache=flush_cache)
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name="weight_update_group", backend="nccl"):
+        self._all("init_weights_update_group",
+                  lambda k: (master_address, master_port, rank_offset + k * self.tp_size, world_size),
+                  group_name=group_name, backend=backend)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        load_format=None, flush_cache=True):
+        self._all("update_weights_from_distributed", lambda k: (names, dtypes, shapes), group_name=group_name,
+                  load_format=load_format, flush_cache=flush_cache)
+
+    def update_weights_from_disk(self, model_path):
+        self._all("update_weights_from_disk", lambda k: (model_path,))
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """Where one node of one engine runs: a placement-group bundle and, on GPUs, its devices."""
+
+    engine: int
+    node_rank: int
+    bundle: int
+    gpus: str | None  # CUDA_VISIBLE_DEVICES for the engine's processes (physical ids); None: Ray's
+    gpu_uuids: tuple[str, ...] = ()  # in SGLang's order on that node
+
+
+class EngineGroup:
+    """N data-parallel engines of one kind behind the Rollout interface."""
+
+    owns_weights = True
+
+    def __init__(self, server_cls, slots: list[EngineSlot], args_of: Callable[[EngineSlot], dict], *,
+                 pg, device: str, tp_size: int, timeout_s: float, start_timeout_s: float, gpu_share: float,
+                 label: str, env: dict | None = None):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray, self.tp_size, self.timeout_s, self.label = ray, tp_size, timeout_s, label
+        self.slots = slots
+        remote = ray.remote(server_cls)
+        self.actors = []
+        for s in slots:
+            opts = dict(num_cpus=0, num_gpus=gpu_share if device == "gpu" else 0, max_restarts=0,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                             placement_group_bundle_index=s.bundle))
+            self.actors.append(remote.options(**opts).remote(args_of(s), device, s.gpus, env))
+        self.names = [f"{label} engine {s.engine} node {s.node_rank}" for s in slots]
+        try:  # constructing the engine happens in __init__; health() waits for it
+            self.info = _wait([a.health.remote() for a in self.actors], "start-up", self.names, start_timeout_s)
+        except EngineError:
+            self.shutdown()
+            raise
+        self.heads = [a for a, s in zip(self.actors, slots) if s.node_rank == 0]
+        self.head_names = [n for n, s in zip(self.names, slots) if s.node_rank == 0]
+
+    @property
+    def engines(self) -> int:
+        return len(self.heads)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        return unflatten(self.generate_requests(flatten(prompts, params)), params.n)
+
+    def generate_requests(self, requests: list[Request]) -> list[Completion]:
+        """Requests as they are (each with its own seed), split over the engines, gathered in order."""
+        chunks = split(requests, self.engines)
+        busy = [k for k, c in enumerate(chunks) if c]
+        outs = _wait([self.heads[k].generate.remote(chunks[k]) for k in busy], "generate",
+                     [self.head_names[k] for k in busy], self.timeout_s)
+        done = [c for out in outs for c in out]
+        if len(done) != len(requests):
+            raise EngineError(f"{self.label} engines returned {len(done)} completions for {len(requests)} requests")
+        return done
+
+    def weight_target(self) -> EngineTarget:
+        return EngineTarget(self.heads, self.tp_size, self.timeout_s, self.head_names)
+
+    def weight_digests(self) -> dict[int, dict[int, dict]]:
+        """{engine: {tp rank: {parameter: digest}}}, from every node of every engine."""
+        got = _wait([a.weight_digests.remote() for a in self.actors], "weight read-back", self.names, self.timeout_s)
+        out: dict[int, dict[int, dict]] = {}
+        for s, ranks in zip(self.slots, got):
+            out.setdefault(s.engine, {}).update({int(r): d for r, d in ranks.items()})
+        return out
+
+    def release(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        _wait([a.release.remote(list(tags)) for a in self.heads], f"release {list(tags)}", self.head_names,
+              self.timeout_s)
+
+    def resume(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        _wait([a.resume.remote(list(tags)) for a in self.heads], f"resume {list(tags)}", self.head_names,
+              self.timeout_s)
+
+    def health(self) -> list[dict]:
+        return _wait([a.health.remote() for a in self.actors], "health check", self.names, self.timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop every engine (its own shutdown first, so SGLang reaps its schedulers), then the actors."""
+        refs = [a.shutdown.remote() for a in self.actors]
+        for ref in refs:
+            try:
+                self.ray.get(ref, timeout=30)
+            except Exception:  # noqa: BLE001 - dead or hung: killed below either way
+                pass
+        for a in self.actors:
+            self.ray.kill(a, no_restart=True)
+        self.actors, self.heads = [], []

@@ -1,0 +1,294 @@
+"""SGLang as the rollout engine: one Ray actor per node of each engine (`SGLangServer`).
+
+An SGLang engine is never created in the driver: when a scheduler fails SGLang kills the process
+that created the engine, which then is this actor, and the driver sees a clear EngineError.
+Works with sglang 0.5.17 to 0.5.23; API differences are feature-detected (`begin_weight_update`
+/ `end_weight_update` exist from 0.5.23 on). On CPU (CI) the engine runs with the stand-ins of
+`mcore_rl.rollout.sglang_cpu`; `mcore_rl.rollout.sglang_plugin` is loaded by SGLang in every
+engine process (weight digests for verifying a sync, the CPU MLA handler).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
+from mcore_rl.sync.plan import EngineLayout, PlanError
+
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site")
+
+# fields DeepSeek hub checkpoints carry that transformers' configs no longer write; SGLang reads them
+HUB_DEFAULTS = {"deepseek_v3": dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid"),
+                "deepseek_v2": dict(moe_layer_freq=1, topk_method="greedy", scoring_func="softmax")}
+
+
+def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], device: str) -> str:
+    """`hf_dir` as SGLang should read it: the same weights and tokenizer files (linked, not
+    copied) under a config.json that carries the hub fields DeepSeek configs need, and whose
+    eos ids are the rollout's stop ids (so the engine stops exactly where the trainer's
+    tokenizer ends a response). On CPU SGLang's DeepSeek rope needs a `yarn` entry: yarn with
+    factor 1 is plain rope, so the model is unchanged. Rewritten atomically on every call."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    for k, v in HUB_DEFAULTS.get(cfg.get("model_type"), {}).items():
+        cfg.setdefault(k, v)
+    cfg["eos_token_id"] = list(stop_token_ids) if len(stop_token_ids) != 1 else stop_token_ids[0]
+    if device == "cpu" and cfg.get("model_type", "").startswith("deepseek") and not _has_scaling(cfg):
+        theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+        yarn = dict(type="yarn", rope_type="yarn", factor=1.0, rope_theta=theta, beta_fast=32, beta_slow=1,
+                    mscale=1.0, mscale_all_dim=1.0,
+                    original_max_position_embeddings=cfg["max_position_embeddings"])
+        cfg["rope_scaling"], cfg["rope_parameters"] = yarn, dict(yarn)
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for path in glob.glob(os.path.join(os.path.abspath(hf_dir), "*")):
+        name = os.path.basename(path)
+        if name not in ("config.json", "generation_config.json"):
+            os.symlink(path, os.path.join(tmp, name))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": cfg["eos_token_id"]}, f)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _has_scaling(cfg: dict) -> bool:
+    kinds = [(cfg.get(k) or {}).get("rope_type") or (cfg.get(k) or {}).get("type")
+             for k in ("rope_scaling", "rope_parameters")]
+    return any(k not in (None, "default") for k in kinds)
+
+
+@dataclass
+class EngineLaunch:
+    """Everything every node of one SGLang engine needs; `node_args(n)` is node n's Engine kwargs.
+
+    All nodes share dist_init_addr, nnodes, tp/ep sizes and the memory settings; only node_rank
+    (and, when several nodes share a host, the ports) differ. Each node takes tp_size/nnodes
+    consecutive tp ranks on its GPUs from base_gpu_id (CUDA_VISIBLE_DEVICES applied).
+    """
+
+    model_path: str
+    layout: EngineLayout
+    dist_init_addr: str  # "host:port" of node_rank 0, reachable from every node
+    mem_fraction_static: float = 0.5
+    enable_memory_saver: bool = True
+    base_gpu_id: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        host, _, port = self.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit():
+            raise PlanError(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
+        if not 0 < self.mem_fraction_static < 1:
+            raise PlanError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+        lay = self.layout
+        if lay.gpus_per_node is None or lay.gpus_per_node * lay.nnodes != lay.tp_size:
+            raise PlanError(f"engine layout {lay}: gpus_per_node x nnodes must equal tp_size "
+                            "(take gpus_per_node from the placement)")
+
+    def node_args(self, node_rank: int) -> dict:
+        if not 0 <= node_rank < self.layout.nnodes:
+            raise PlanError(f"node_rank={node_rank} outside 0..{self.layout.nnodes - 1}")
+        args = dict(model_path=self.model_path, tp_size=self.layout.tp_size, ep_size=self.layout.ep_size,
+                    nnodes=self.layout.nnodes, node_rank=node_rank, dist_init_addr=self.dist_init_addr,
+                    base_gpu_id=self.base_gpu_id, mem_fraction_static=self.mem_fraction_static,
+                    enable_memory_saver=self.enable_memory_saver)
+        return {**args, **self.extra}
+
+    def cli(self, node_rank: int) -> list[str]:
+        """`python -m sglang.launch_server ...` arguments for node `node_rank`."""
+        out = ["python", "-m", "sglang.launch_server"]
+        for k, v in self.node_args(node_rank).items():
+            flag = "--" + k.replace("_", "-")
+            if v is True:
+                out.append(flag)
+            elif v is not False and v is not None:
+                out += [flag, str(v)]
+        return out
+
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_init_addr: str | None,
+                mem_fraction: float) -> dict:
+    """`sglang.Engine(**...)` for node `node_rank` of an engine with `layout`, from the config."""
+    r = cfg.rollout
+    args = dict(model_path=model_dir, tp_size=layout.tp_size, ep_size=layout.ep_size, nnodes=layout.nnodes,
+                node_rank=node_rank, dtype=DTYPE_NAMES[cfg.model.dtype], random_seed=cfg.trainer.seed,
+                skip_tokenizer_init=True, trust_remote_code=False, mem_fraction_static=mem_fraction,
+                chunked_prefill_size=r.chunked_prefill_size, log_level=r.log_level)
+    if dist_init_addr:
+        args["dist_init_addr"] = dist_init_addr
+    if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
+        args.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
+                    disable_cuda_graph=True, max_total_tokens=r.cpu_kv_tokens)
+    else:
+        args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
+                    cuda_graph_max_bs=r.cuda_graph_max_bs)
+        if r.attention_backend:
+            args["attention_backend"] = r.attention_backend
+    return args
+
+
+def engine_env(cfg, layout: EngineLayout) -> dict:
+    """Environment of the engine's processes."""
+    if cfg.cluster.device != "cpu":
+        return {}
+    env = {"TORCHDYNAMO_DISABLE": "1"}  # SGLang's MoE top-k otherwise compiles for 14-25 s on CPU
+    per_node = layout.tp_size // layout.nnodes
+    if per_node > 1:  # one OpenMP core set per scheduler (SGLang refuses more ranks than NUMA nodes)
+        cores = os.cpu_count() or 1
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(per_node))
+    return env
+
+
+def sampling_dict(r: Request) -> dict:
+    p = r.params
+    return {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
+            "stop_token_ids": list(p.stop_token_ids), "sampling_seed": p.seed, "n": 1}
+
+
+def _ok(result, what: str):
+    """SGLang answers (success, message) tuples or objects with .success; raise on failure."""
+    if result is None:
+        return result
+    ok, msg = (result[0], result[1]) if isinstance(result, tuple) else (getattr(result, "success", True),
+                                                                        getattr(result, "message", ""))
+    if not ok:
+        raise EngineError(f"SGLang {what} failed: {msg}")
+    return result
+
+
+class SGLangServer:
+    """Node `node_rank` of one SGLang engine, in its own Ray actor process. Only node 0 serves."""
+
+    def __init__(self, engine_args: dict, device: str, visible_devices: str | None = None,
+                 env: dict | None = None):
+        os.environ.update(env or {})
+        if visible_devices is not None:  # the engine's GPUs, by physical index (Ray gives us one)
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        # SGLang's spawned processes take this process's sys.path: the plugin must be on it
+        sys.path.insert(0, SITE_DIR)
+        if device == "cpu":  # and, on CPU, the stand-ins at their interpreter's start
+            from mcore_rl.rollout import sglang_cpu
+
+            os.environ.update(sglang_cpu.child_env(os.environ))
+            sglang_cpu.install()
+        self.node_rank = engine_args.get("node_rank", 0)
+        if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
+            os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+        import sglang
+
+        self.version = sglang.__version__
+        t0 = time.perf_counter()
+        self.engine = sglang.Engine(**engine_args)
+        self.start_seconds = time.perf_counter() - t0
+        self.digest_dir = tempfile.mkdtemp(prefix="mcore_rl_digests_")
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        if not requests:
+            return []
+        outs = self.engine.generate(input_ids=[list(r.prompt) for r in requests],
+                                    sampling_params=[sampling_dict(r) for r in requests], return_logprob=True)
+        done = []
+        for o in outs:
+            meta = o["meta_info"]
+            reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+            done.append(Completion(list(o["output_ids"]), [lp[0] for lp in meta["output_token_logprobs"]],
+                                   "stop" if reason == "stop" else "length"))
+        return done
+
+    # ---- weight updates (the WeightTarget entry points, for this engine) ---------------------------
+    def begin_weight_update(self) -> None:
+        if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.23
+            _ok(self.engine.begin_weight_update(), "begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        if hasattr(self.engine, "end_weight_update"):
+            _ok(self.engine.end_weight_update(), "end_weight_update")
+
+    def update_weights_from_tensor(self, payloads: list, load_format: str | None = None, flush_cache: bool = True):
+        """One payload per tp rank of this engine: serialized buckets (CUDA IPC handles, from the
+        trainer's GPUs) or, on CPU, the buckets themselves, serialized here for SGLang's schedulers."""
+        payloads = [self._serialize(p) if isinstance(p, dict) else p for p in payloads]
+        _ok(self.engine.update_weights_from_tensor(payloads, load_format=load_format, flush_cache=flush_cache),
+            "update_weights_from_tensor")
+
+    @staticmethod
+    def _serialize(bucket: dict) -> bytes:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        return MultiprocessingSerializer.serialize({
+            "flattened_tensor": bucket["flattened_tensor"],
+            "metadata": [FlattenedTensorMetadata(**m) for m in bucket["metadata"]]})
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name="weight_update_group", backend="nccl"):
+        _ok(self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                                  group_name, backend), "init_weights_update_group")
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
+                                        load_format=None, flush_cache=True):
+        _ok(self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache=flush_cache,
+                                                        load_format=load_format), "update_weights_from_distributed")
+
+    def update_weights_from_disk(self, model_path: str):
+        _ok(self.engine.update_weights_from_disk(model_path), "update_weights_from_disk")
+
+    def weight_digests(self) -> dict[int, dict]:
+        """{tp rank: {SGLang parameter name: [dtype, shape, bytes, sum, weighted sum]}} of this node's ranks."""
+        for old in glob.glob(os.path.join(self.digest_dir, "w*")):
+            os.remove(old)
+        path = os.path.join(self.digest_dir, "w")
+        self.engine.collective_rpc("mcore_rl_weight_digests", path=path)
+        out = {}
+        for f in glob.glob(path + ".tp*.json"):
+            with open(f) as fh:
+                out[int(f.rsplit(".tp", 1)[1].removesuffix(".json"))] = json.load(fh)
+        return out
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def release(self, tags: list[str], timeout_s: float = 60.0) -> None:
+        """SGLang refuses to release while requests are still draining: retry until idle."""
+        tags = check_tags(tags)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.engine.release_memory_occupation(tags=tags)
+                return
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise EngineError(f"SGLang did not become idle within {timeout_s:.0f}s to release {tags}")
+                time.sleep(0.05)
+
+    def resume(self, tags: list[str]) -> None:
+        self.engine.resume_memory_occupation(tags=check_tags(tags))
+
+    # ---- life ----------------------------------------------------------------------------------------
+    def health(self) -> dict:
+        return {"engine": "sglang", "version": self.version, "node_rank": self.node_rank, "pid": os.getpid(),
+                "start_seconds": round(self.start_seconds, 2), "alive": True}
+
+    def child_pids(self) -> list[int]:
+        import psutil
+
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        shutil.rmtree(self.digest_dir, ignore_errors=True)

@@ -1,0 +1,129 @@
+"""SGLang's engine on a CPU-only machine: the named, version-gated stand-ins it needs.
+
+SGLang (0.5.20 is what CI installs) runs its real engine on CPU with `SGLANG_USE_CPU_ENGINE=1`,
+but a few things it imports or dispatches to exist only in GPU builds:
+- `sgl_kernel` has no CPU build. SGLang's CPU paths import two helpers from it at module level
+  and call them on every prefill and KV move; both are a few lines of torch here. Any other name
+  imported from it is a stand-in that raises when called. No `torch.ops.sgl_kernel` ops are
+  registered, so SGLang takes its native torch paths (norms, rope, activations, MoE).
+- `torchvision`: SGLang imports it unconditionally and PyPI's wheel is a CUDA build that cannot
+  load beside CPU torch. transformers must still see it "installed" (its AutoImageProcessor
+  refuses otherwise), so the stand-in has a version and fails on first real use.
+- DeepSeek/MLA under `attention_backend="torch_native"`: the backend has no MLA handler, SGLang
+  falls back to triton's, which takes the MHA prefill path over the latent cache and fails. The
+  handler registered here always picks MLA (`register_mla_handler`, run in every scheduler by
+  `mcore_rl.rollout.sglang_plugin`).
+
+The stand-ins must exist in every SGLang process, including the schedulers it spawns, before
+any SGLang module is imported: `sglang_site/sitecustomize.py` calls `install()` at interpreter
+start when MCORE_RL_SGLANG_CPU=1 (the engine actor sets it and puts that directory first on
+PYTHONPATH). Nothing here runs on GPU machines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+
+import torch
+
+TESTED = ("0.5.20",)  # the CPU engine was checked token for token against transformers on these
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site")
+ENV_FLAG = "MCORE_RL_SGLANG_CPU"
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
+                                 pool_len):
+    """Request i's token slots start[i]:end[i] take the next end[i]-start[i] cache locations."""
+    pos = 0
+    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+        req_to_token[row, start:end] = out_cache_loc[pos:pos + end - start].to(req_to_token.dtype)
+        pos += end - start
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+    """Row src_loc[j] -> row tgt_loc[j] in every KV buffer, each given by its raw data pointer and
+    row stride in bytes (the signature of SGLang's CPU kernel)."""
+    if not len(src_loc):
+        return
+    src, tgt = src_loc.long(), tgt_loc.long()
+    rows = int(max(src.max(), tgt.max())) + 1
+    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        raw = (ctypes.c_uint8 * (rows * stride)).from_address(ptr)  # the buffer itself, no copy
+        buf = torch.frombuffer(raw, dtype=torch.uint8).view(rows, stride)
+        buf[tgt] = buf[src].clone()
+
+
+class _StandIn(types.ModuleType):
+    """A module for `import` statements; any attribute is another stand-in that raises when called."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn(f"{self.__name__}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.__name__} is a CPU stand-in (mcore_rl.rollout.sglang_cpu), not the real thing")
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    PROVIDED = {"sgl_kernel": {"assign_req_to_token_pool_cpu": assign_req_to_token_pool_cpu,
+                               "copy_all_layer_kv_cache_cpu": copy_all_layer_kv_cache_cpu},
+                "torchvision": {"__version__": "0.28.0"}}
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.PROVIDED:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StandIn(spec.name)
+        module.__path__ = []
+        module.__dict__.update(self.PROVIDED.get(spec.name, {}))
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _check_version() -> None:
+    from importlib.metadata import version
+
+    found = version("sglang")
+    if found not in TESTED:
+        raise RuntimeError(f"SGLang {found} on CPU: the CPU stand-ins were written for SGLang {', '.join(TESTED)}; "
+                           "install that version (scripts/setup.sh does) or add this one to TESTED after "
+                           "checking its tokens against transformers (tests/test_rollout_sglang.py)")
+
+
+def install() -> None:
+    """Put the stand-ins in place in this process (idempotent). Call before importing SGLang."""
+    if any(isinstance(f, _StandInFinder) for f in sys.meta_path):
+        return
+    _check_version()
+    for name in _StandInFinder.PROVIDED:  # a real one must not be shadowed silently
+        if name in sys.modules and not isinstance(sys.modules[name], _StandIn):
+            raise RuntimeError(f"{name} is already imported in this process; the CPU stand-in cannot replace it")
+    sys.meta_path.insert(0, _StandInFinder())
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+
+def register_mla_handler() -> None:
+    """torch_native picks SGLang's MLA forward for DeepSeek attention (see the module docstring)."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA)
+
+
+def child_env(env: dict | None = None) -> dict:
+    """Environment for an SGLang process on CPU: the stand-ins installed at its start."""
+    env = dict(os.environ if env is None else env)
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = SITE_DIR + (os.pathsep + path if path else "")
+    env.update({ENV_FLAG: "1", "SGLANG_USE_CPU_ENGINE": "1"})
+    return env

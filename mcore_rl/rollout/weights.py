@@ -1,0 +1,71 @@
+"""The driver's side of the weight sync: plan once, ship it to every trainer rank, run it after
+each update, and read the engines back to verify (after the first sync, then every N steps).
+
+SGLang ignores weight names it does not know, so a sync that "succeeded" can leave a parameter
+stale: the read-back compares every parameter of every engine rank (digests computed inside the
+engine's own processes) with what the trainer sent, and fails loudly on any difference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mcore_rl import config as C
+from mcore_rl.models.config import HFModel
+from mcore_rl.parallel import Layout, rendezvous_on
+from mcore_rl.sync.checksum import WeightMismatch
+from mcore_rl.sync.engine_layout import compare_engine
+from mcore_rl.sync.plan import EngineLayout, SyncPlan, single_source
+from mcore_rl.sync.session import SyncSpec, merge_expected
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def transport_for(cfg: C.Config) -> str:
+    t = cfg.rollout.sync_transport
+    if t == "auto":
+        return "ipc" if cfg.cluster.colocate else "broadcast"
+    return t
+
+
+class WeightSync:
+    def __init__(self, cfg: C.Config, actors, engines, layout: EngineLayout,
+                 feed: dict[int, tuple[int, int]] | None, where: list[dict], run_dir: str, hf_dir: str):
+        """`feed`: colocated trainer rank -> (engine, tp rank) on its GPU; None for a single source."""
+        self.actors, self.engines, self.verify_every = actors, engines, cfg.rollout.verify_sync_every
+        kind = transport_for(cfg)
+        if kind == "ipc" and feed is None:
+            raise C.ConfigError("rollout.sync_transport = 'ipc' needs colocated engines (cluster.colocate: true)")
+        p = cfg.parallel
+        hf = HFModel.from_dir(hf_dir)
+        rank_of = {t: r for t, (_, r) in feed.items()} if kind == "ipc" else single_source(0)
+        plan = SyncPlan.build(hf, Layout(p.tp, p.pp, p.ep, p.etp), len(where), layout, rank_of,
+                              bucket_bytes=cfg.memory.sync_bucket_mb << 20, dtype=DTYPES[cfg.model.dtype])
+        master = rendezvous_on(actors.pg, 0) if kind == "broadcast" else None  # trainer rank 0's node
+        spec = SyncSpec(plan, engines.weight_target(), kind, engines.engines,
+                        slot_of={t: k * layout.tp_size + r for t, (k, r) in (feed or {}).items()},
+                        master=master, disk_dir=os.path.join(run_dir, "sync_disk"), hf_dir=hf_dir)
+        actors.call("setup_sync", spec)
+        self.kind, self.syncs = kind, 0
+
+    def __call__(self, step: int | None = None) -> dict:
+        """Sync every weight into every engine; verify by read-back when due. Returns metrics."""
+        verify = self.syncs == 0 or (self.verify_every > 0 and step is not None and step % self.verify_every == 0)
+        results = self.actors.call("sync_weights", verify)
+        self.syncs += 1
+        out = {"sync/seconds": max(r["seconds"] for r in results), "sync/bytes": sum(r["bytes"] for r in results)}
+        if verify:
+            self.verify(merge_expected(results))
+            out["sync/verified"] = 1.0
+        return out
+
+    def verify(self, expected: dict[int, dict[int, dict]]) -> None:
+        actual = self.engines.weight_digests()
+        problems = []
+        for k, name in enumerate(self.engines.head_names):
+            problems += compare_engine(expected.get(k, {}), actual.get(k, {}), name)
+        if problems:
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise WeightMismatch("weight sync read-back failed:\n  " + "\n  ".join(problems[:8]) + more)

@@ -1,0 +1,189 @@
+"""Where each HF tensor lands in an SGLang engine rank: one declarative table, read by the
+sync's read-back check (`ExpectedDigests`) and by the benchmarks' SGLang-layout receivers.
+
+A rule matches an HF tensor by the end of its name and says which SGLang parameter receives it,
+how it is split over the engine's tensor-parallel ranks, and which part of a fused parameter it
+fills (SGLang fuses q_a/kv_a, q/k/v, gate/up, and stacks routed experts into w13/w2):
+
+| split      | rank r gets                                                                     |
+| ---------- | ------------------------------------------------------------------------------- |
+| `rep`      | the whole tensor                                                                |
+| `row`      | its r-th chunk of rows                                                          |
+| `col`      | its r-th chunk of columns                                                       |
+| `vocab`    | rows [r*P, (r+1)*P) of the vocab padded to 64 * tp, P = padded/tp (rest zero)   |
+| `kv_head`  | the kv heads of r (q/k/v fusion; replicated when tp > kv heads)                 |
+| `moe_row` / `moe_col` | as row/col over moe_tp = tp/ep, for experts in r's EP block          |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_rl.sync.checksum import digest
+from mcore_rl.sync.plan import EngineLayout
+
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Place:
+    suffix: str  # end of the HF name ("self_attn.q_proj.weight")
+    split: str  # rep | row | col | vocab | kv_head | moe_row | moe_col
+    into: str | None = None  # the SGLang parameter's suffix when it differs (a fused one)
+    part: int = 0  # position in the fused parameter, counted along dim 0 (dim 1 of w13 per expert)
+    parts: tuple[str, ...] = ()  # suffixes of all parts of that fused parameter, in order
+    when: str | None = None  # "mla", "gqa" or "q_lora": only for such models
+
+    def applies(self, name: str, hf) -> bool:
+        ok = {None: True, "mla": hf.is_mla, "gqa": not hf.is_mla, "q_lora": hf.is_mla and hf.q_lora}[self.when]
+        return ok and name.endswith(self.suffix)
+
+
+QKV_PARTS = ("q_proj", "k_proj", "v_proj")
+SGLANG_RULES = (
+    Place("embed_tokens.weight", "vocab"),
+    Place("lm_head.weight", "vocab"),
+    # MLA with q_lora: q_a and kv_a are one fused parameter, q_a first; without, q_proj is split
+    Place("self_attn.q_a_proj.weight", "rep", "self_attn.fused_qkv_a_proj_with_mqa.weight", 0,
+          ("q_a_proj", "kv_a_proj_with_mqa"), when="q_lora"),
+    Place("self_attn.kv_a_proj_with_mqa.weight", "rep", "self_attn.fused_qkv_a_proj_with_mqa.weight", 1,
+          ("q_a_proj", "kv_a_proj_with_mqa"), when="q_lora"),
+    Place("self_attn.q_proj.weight", "row", when="mla"),
+    Place("self_attn.q_b_proj.weight", "row"),
+    Place("self_attn.kv_b_proj.weight", "row"),
+    *(Place(f"self_attn.{x}.{kind}", "kv_head", f"self_attn.qkv_proj.{kind}", i, QKV_PARTS, when="gqa")
+      for kind in ("weight", "bias") for i, x in enumerate(QKV_PARTS)),
+    Place("self_attn.o_proj.weight", "col"),
+    Place("experts.{E}.gate_proj.weight", "moe_row", "experts.w13_weight", 0, ("gate_proj", "up_proj")),
+    Place("experts.{E}.up_proj.weight", "moe_row", "experts.w13_weight", 1, ("gate_proj", "up_proj")),
+    Place("experts.{E}.down_proj.weight", "moe_col", "experts.w2_weight"),
+    Place("mlp.gate_proj.weight", "row", "mlp.gate_up_proj.weight", 0, ("gate_proj", "up_proj")),
+    Place("mlp.up_proj.weight", "row", "mlp.gate_up_proj.weight", 1, ("gate_proj", "up_proj")),
+    Place("mlp.down_proj.weight", "col"),
+    Place("shared_experts.gate_proj.weight", "row", "shared_experts.gate_up_proj.weight", 0, ("gate_proj", "up_proj")),
+    Place("shared_experts.up_proj.weight", "row", "shared_experts.gate_up_proj.weight", 1, ("gate_proj", "up_proj")),
+    Place("shared_experts.down_proj.weight", "col"),
+    Place("", "rep"),  # norms, router weight and expert bias (fp32 in SGLang, as the plan sends it)
+)
+
+
+def _rule(name: str, hf) -> Place:
+    generic = name
+    if ".mlp.experts." in name:  # experts.{i}. -> experts.{E}.
+        head, _, rest = name.partition(".mlp.experts.")
+        generic = head + ".mlp.experts.{E}." + rest.partition(".")[2]
+    return next(r for r in SGLANG_RULES if r.applies(generic, hf))
+
+
+def padded_vocab(vocab: int, tp: int, pad_to: int = 64) -> int:
+    """SGLang's VocabParallelEmbedding: the vocab padded to a multiple of 64, or of 64 * tp where
+    that would not split evenly (its CPU path; on GPUs SGLang refuses such a layout)."""
+    if -(-vocab // pad_to) * pad_to % tp:
+        pad_to *= tp
+    return -(-vocab // pad_to) * pad_to
+
+
+@dataclass
+class Piece:
+    param: str  # SGLang parameter name
+    offset: int  # element offset of `src` inside that (contiguous) parameter
+    src: torch.Tensor  # what lands there, contiguous rows
+
+
+def place(name: str, t: torch.Tensor, layout: EngineLayout, tp_rank: int, hf) -> list[Piece]:
+    """The pieces of SGLang engine rank `tp_rank`'s parameters that HF tensor `name` fills (none when
+    an expert lives on another EP block)."""
+    rule = _rule(name, hf)
+    target = name[:-len(rule.suffix)] + (rule.into or rule.suffix) if rule.suffix else name
+    tp = layout.tp_size
+    if rule.split in ("moe_row", "moe_col"):
+        e = int(name.split(".mlp.experts.")[1].split(".")[0])
+        experts = layout.experts_of(tp_rank, hf.num_experts)
+        if e not in experts:
+            return []
+        target = name.split(".mlp.experts.")[0] + ".mlp." + rule.into
+        moe_tp, moe_rank = layout.moe_tp, tp_rank % layout.moe_tp  # SGLang: moe_tp_rank = tp_rank % moe_tp
+        if rule.split == "moe_col":
+            src = t.chunk(moe_tp, dim=1)[moe_rank].contiguous()
+            return [Piece(target, (e - experts.start) * src.numel(), src)]
+        src = t.chunk(moe_tp, dim=0)[moe_rank].contiguous()  # w13[e] = [gate_r; up_r]
+        return [Piece(target, ((e - experts.start) * len(rule.parts) + rule.part) * src.numel(), src)]
+    if rule.split == "vocab":
+        per = padded_vocab(t.shape[0], tp) // tp
+        src = t[tp_rank * per:(tp_rank + 1) * per].contiguous()
+        return [Piece(target, 0, src)] if src.numel() else []
+    if rule.split == "kv_head":
+        return [_qkv_piece(name, target, t, rule, tp, tp_rank, hf)]
+    src = t if rule.split == "rep" else t.chunk(tp, dim=0 if rule.split == "row" else 1)[tp_rank]
+    src = src.contiguous()
+    return [Piece(target, _rows_before(name, rule, tp, hf) * src[0].numel(), src)]
+
+
+def _rows_before(name: str, rule: Place, tp: int, hf) -> int:
+    """Rows of a fused parameter that come before `name`'s part on one rank (parts differ in size:
+    q_a has q_lora_rank rows, kv_a kv_lora_rank + rope)."""
+    from mcore_rl.sync.plan import hf_shape
+
+    if not rule.part:
+        return 0
+    head = name[:-len(rule.suffix)]
+    leaf = rule.suffix.split(".")[-2]
+    rows = 0
+    for sibling in rule.parts[:rule.part]:
+        rows += hf_shape(hf, head + rule.suffix.replace(leaf, sibling))[0] // (tp if rule.split == "row" else 1)
+    return rows
+
+
+def _qkv_piece(name, target, t, rule, tp, tp_rank, hf) -> Piece:
+    heads, kv, d = hf.num_attention_heads, hf.num_kv_heads, hf.head_dim
+    q_rows = heads // tp * d
+    kv_per = max(1, kv // tp)  # kv heads on this rank (replicated when tp > kv heads)
+    kv_index = tp_rank * kv // tp if kv < tp else tp_rank * kv_per
+    if rule.part == 0:
+        src, start = t[tp_rank * q_rows:(tp_rank + 1) * q_rows], 0
+    else:
+        src = t[kv_index * d:(kv_index + kv_per) * d]
+        start = q_rows + (rule.part - 1) * kv_per * d
+    width = t[0].numel() if t.dim() > 1 else 1
+    return Piece(target, start * width, src.contiguous())
+
+
+class ExpectedDigests:
+    """Digests of what SGLang engine rank(s) must hold, accumulated piece by piece as a sync sends
+    the HF tensors (no fused tensor is ever built). `digests[tp_rank][param] = (sum, weighted sum)`
+    as `mcore_rl.sync.checksum.digest` computes them over the whole parameter (zero padding adds 0)."""
+
+    def __init__(self, layout: EngineLayout, hf, tp_ranks):
+        self.layout, self.hf = layout, hf
+        self.digests: dict[int, dict[str, list[int]]] = {r: {} for r in tp_ranks}
+
+    def add(self, named) -> None:
+        for name, t in named:
+            for r, acc in self.digests.items():
+                for piece in place(name, t, self.layout, r, self.hf):
+                    _, s, w = digest(piece.src, piece.offset)
+                    have = acc.setdefault(piece.param, [0, 0])
+                    have[0], have[1] = (have[0] + s) & _U64, (have[1] + w) & _U64
+
+
+def compare_engine(expected: dict[int, dict], actual: dict[int, dict], where: str) -> list[str]:
+    """Problems (as lines) between expected digests and an engine's `weight_digests()` per tp rank:
+    a parameter the sync filled that differs or is missing, or one the engine has that no synced
+    tensor reached (SGLang ignores names it does not know: such a parameter would stay stale)."""
+    problems = []
+    for r, want in expected.items():
+        have = actual.get(r)
+        if have is None:
+            problems.append(f"{where} tp rank {r}: no digests reported")
+            continue
+        for param, (s, w) in want.items():
+            got = have.get(param)
+            if got is None:
+                problems.append(f"{where} tp rank {r}: SGLang has no parameter {param}")
+            elif (got[3] & _U64, got[4] & _U64) != (s, w):
+                problems.append(f"{where} tp rank {r}: {param} differs from the trainer's weights")
+        for param in sorted(set(have) - set(want)):
+            problems.append(f"{where} tp rank {r}: {param} was not reached by any synced tensor")
+    return problems
