@@ -42,6 +42,7 @@ def model_dims(args) -> dict:
 def worker(rank: int, args, hf_dir: str, cfg: dict, port: int, results, verdicts, conns):
     os.environ["LOCAL_RANK"] = str(rank)
     from mcore_rl.actor import MegatronActor
+    from mcore_rl.rollout.embedded import sample_on_shards
 
     actor = MegatronActor(rank, args.gpus, port, hf_dir, cfg)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -54,7 +55,7 @@ def worker(rank: int, args, hf_dir: str, cfg: dict, port: int, results, verdicts
     for step in range(args.steps + 1):  # step 0 warms up (and opens the IPC handles)
         prompts = torch.randint(0, vocab, (B, P), generator=gen)
         t0 = time.perf_counter()
-        out = actor.generate(prompts, torch.ones_like(prompts), R, 1.0, step)
+        out = sample_on_shards(actor, prompts, torch.ones_like(prompts), step * B + torch.arange(B), R, 1.0, 1.0)
         sync()
         t1 = time.perf_counter()
         seqs = _share(out[0] if out else None, actor)

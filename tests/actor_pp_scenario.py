@@ -86,6 +86,7 @@ def run_actor(rank: int, world: int, port: int, root: str, tp: int, pp: int, ep:
     """Every actor method at TP=tp x PP=pp x EP=ep, for each family in turn; rank 0 saves the results.
     The actor sets up the process group unless the caller already has (tests/distributed.py)."""
     from mcore_rl.actor import MegatronActor
+    from mcore_rl.rollout.embedded import sample_on_shards
 
     for fam in fams:
         batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
@@ -98,8 +99,9 @@ def run_actor(rank: int, world: int, port: int, root: str, tp: int, pp: int, ep:
         out["log_probs_after"] = as_driver(actor.log_probs(batch))
         out["critic"] = as_driver(actor.update_critic(batch))
         out["values"] = as_driver(actor.values(batch))
-        out["generate"] = as_driver(actor.generate(batch["tokens"][:, :P], batch["attention_mask"][:, :P], 4,
-                                                   1.0, seed=11))
+        prompts = batch["tokens"][:, :P]
+        seeds = 11 + torch.arange(len(prompts))
+        out["generate"] = as_driver(sample_on_shards(actor, prompts, batch["attention_mask"][:, :P], seeds, 4, 1.0, 1.0))
         if rank == 0:
             torch.save(out, os.path.join(root, fam, f"{name(tp, pp, ep)}.pt"))
         actor.ps.destroy_model_parallel()  # make room for the next family's actor

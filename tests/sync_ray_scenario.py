@@ -195,7 +195,7 @@ def run(hf_dir: str, ckpt: str, temp: str) -> dict:
 
     from mcore_rl.models import HFModel
     from mcore_rl.parallel import Layout
-    from mcore_rl.sync.engine import EngineLaunch
+    from mcore_rl.rollout.sglang import EngineLaunch
     from mcore_rl.sync.placement import GpuSlot, colocate
     from mcore_rl.sync.plan import SyncPlan
 

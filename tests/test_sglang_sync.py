@@ -411,7 +411,7 @@ def test_buckets_respect_the_size_cap():
     (EngineLayout(16, 1, 2, None), {r: r for r in range(16)}, "gpus_per_node is unknown"),
     (EngineLayout(16, 1, 2, 4), {r: r for r in range(16)}, "gpus_per_node=4 x nnodes=2"),
     (EngineLayout(4, 1, 1, 4), {0: 0, 1: 1, 2: 2}, "mismatched GPU counts"),
-    (EngineLayout(4, 1, 1, 4), {0: 0, 1: 1, 2: 2, 3: 2}, "exactly once"),
+    (EngineLayout(4, 1, 1, 4), {0: 0, 1: 1, 2: 2, 3: 2}, "once per engine"),
     (EngineLayout(4, 1, 1, 4), {0: 0, 1: 1, 2: 2, 9: 3}, "do not exist"),
 ])
 def test_bad_engine_layouts_are_refused(engine, rank_of, match):

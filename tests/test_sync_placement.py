@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.sync.engine import EngineLaunch
+from mcore_rl.rollout.sglang import EngineLaunch
 from mcore_rl.sync.placement import GpuSlot, colocate, parse_visible_devices
 from mcore_rl.sync.plan import EngineLayout, PlanError
 

@@ -9,7 +9,7 @@ from tests import distributed
 
 
 class RefusingEngine:
-    """Answers like SGLangEngine when SGLang reports failure: it raises."""
+    """Answers like SGLangServer when SGLang reports failure: it raises."""
 
     def begin_weight_update(self):
         pass

@@ -37,17 +37,9 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
     if placement.colocate:
         slots, pg = _colocated_slots(placement, where, cfg.cluster.device), actors.pg
     else:
-        slots, pg = _own_slots(placement, cfg.cluster.device)
-    mem_fraction = _mem_fraction(cfg)
-    addrs = {s.engine: "%s:%d" % rendezvous_on(pg, s.bundle) for s in slots if s.node_rank == 0
-             and placement.nnodes > 1}
-    args_of = lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank,  # noqa: E731
-                                      addrs.get(s.engine), mem_fraction)
-    engines = EngineGroup(S.SGLangServer, slots, args_of, pg=pg, device=cfg.cluster.device,
-                          tp_size=cfg.rollout.tp_size, timeout_s=cfg.rollout.timeout_s,
-                          start_timeout_s=cfg.rollout.start_timeout_s,
-                          gpu_share=ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node,
-                          label="SGLang", env=S.engine_env(cfg, layout))
+        slots, pg = own_slots(placement, cfg.cluster.device)
+    engines = start_sglang(cfg, model_dir, slots, pg, layout,
+                           ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node)
     try:
         feed = _feeds(placement, slots, where, layout) if placement.colocate else None
         sync = WeightSync(cfg, actors, engines, layout, feed, where, run_dir, model_dir)
@@ -55,6 +47,22 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
         engines.shutdown()
         raise
     return engines, sync
+
+
+def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], pg, layout: EngineLayout,
+                 gpu_share: float) -> EngineGroup:
+    """SGLang engines on `slots` of placement group `pg` (multi-node engines meet at a port free on
+    their node 0), each started from `model_dir` (see `sglang.engine_model_dir`)."""
+    from mcore_rl.rollout import sglang as S
+
+    mem_fraction = _mem_fraction(cfg)
+    addrs = {s.engine: "%s:%d" % rendezvous_on(pg, s.bundle) for s in slots
+             if s.node_rank == 0 and layout.nnodes > 1}
+    return EngineGroup(S.SGLangServer, slots,
+                       lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction),
+                       pg=pg, device=cfg.cluster.device, tp_size=layout.tp_size, timeout_s=cfg.rollout.timeout_s,
+                       start_timeout_s=cfg.rollout.start_timeout_s, gpu_share=gpu_share, label="SGLang",
+                       env=S.engine_env(cfg, layout))
 
 
 def _colocated_slots(placement, where: list[dict], device: str) -> list[EngineSlot]:
@@ -71,7 +79,7 @@ def _colocated_slots(placement, where: list[dict], device: str) -> list[EngineSl
     return slots
 
 
-def _own_slots(placement, device: str):
+def own_slots(placement, device: str):
     import ray
     from ray.util.placement_group import placement_group
 
