@@ -82,6 +82,7 @@ class RolloutConfig:
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph
     chunked_prefill_size: int = 8192  # prefill tokens per forward
     attention_backend: str | None = None  # SGLang's; null: its default (CPU: torch_native)
+    seeded: bool = True  # each completion samples with its own seed: reproducible (pytorch sampler)
     cpu_kv_tokens: int = 8192  # KV cache size of an engine on CPU (there it is not a fraction of memory)
     sync_transport: Literal["auto", "ipc", "broadcast", "disk"] = "auto"  # auto: ipc colocated, else broadcast
     verify_sync_every: int = 0  # read the engines back after the first sync and every N steps (0: first only)

@@ -58,7 +58,7 @@ def sampling_params(cfg: C.Config, source, seed: int, validation: bool = False):
     r = cfg.rollout
     return SamplingParams(n=r.val_n if validation else r.n, temperature=r.val_temperature if validation else r.temperature,
                           top_p=1.0 if validation else r.top_p, max_new_tokens=r.max_response_len,
-                          stop_token_ids=stop_ids(cfg, source.tokenizer), seed=seed)
+                          stop_token_ids=stop_ids(cfg, source.tokenizer), seed=seed if r.seeded else None)
 
 
 def stop_ids(cfg: C.Config, tokenizer) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (it is kept)
-    seed: int = 0  # completion k of the whole batch samples with seed + k: reproducible, all distinct
+    seed: int | None = 0  # completion k of the batch samples with seed + k (reproducible); None: engine's RNG
 
     def __post_init__(self):
         problems = [f"{k} = {v!r}" for k, v, ok in (
@@ -66,7 +66,8 @@ class Request:
 def flatten(prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Request]:
     """prompt-major, completion-minor: request i * n + j is completion j of prompt i, seed + i * n + j."""
     one = params.with_(n=1)
-    return [Request(tuple(p), one.with_(seed=params.seed + i * params.n + j))
+    seed = (lambda k: None) if params.seed is None else (lambda k: params.seed + k)  # noqa: E731
+    return [Request(tuple(p), one.with_(seed=seed(i * params.n + j)))
             for i, p in enumerate(prompts) for j in range(params.n)]
 
 

@@ -28,7 +28,7 @@ class EmbeddedRollout:
 
         requests = flatten(prompts, params)
         ids, mask = pad_prompts([list(r.prompt) for r in requests], self.pad_id)
-        seeds = torch.tensor([r.params.seed for r in requests], dtype=torch.long)
+        seeds = torch.tensor([r.params.seed or 0 for r in requests], dtype=torch.long)  # always seeded here
         outs = self.actors.call("run", sample_on_shards, ids, mask, seeds, params.max_new_tokens,
                                 params.temperature, params.top_p)
         tokens, logps = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])

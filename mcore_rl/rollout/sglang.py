@@ -136,6 +136,8 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
     else:
         args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
                     cuda_graph_max_bs=r.cuda_graph_max_bs)
+        if r.seeded:  # its flashinfer sampler takes no seeds (mcore_rl.rollout.sglang_plugin)
+            args["sampling_backend"] = "pytorch"
         if r.attention_backend:
             args["attention_backend"] = r.attention_backend
     return args
@@ -143,9 +145,10 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
 
 def engine_env(cfg, layout: EngineLayout) -> dict:
     """Environment of the engine's processes."""
+    env = {"MCORE_RL_SEEDED_SAMPLING": "1"} if cfg.rollout.seeded else {}
     if cfg.cluster.device != "cpu":
-        return {}
-    env = {"TORCHDYNAMO_DISABLE": "1"}  # SGLang's MoE top-k otherwise compiles for 14-25 s on CPU
+        return env
+    env["TORCHDYNAMO_DISABLE"] = "1"  # SGLang's MoE top-k otherwise compiles for 14-25 s on CPU
     per_node = layout.tp_size // layout.nnodes
     if per_node > 1:  # one OpenMP core set per scheduler (SGLang refuses more ranks than NUMA nodes)
         cores = os.cpu_count() or 1
@@ -155,8 +158,11 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
 
 def sampling_dict(r: Request) -> dict:
     p = r.params
-    return {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
-            "stop_token_ids": list(p.stop_token_ids), "sampling_seed": p.seed, "n": 1}
+    out = {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
+           "stop_token_ids": list(p.stop_token_ids), "n": 1}
+    if p.seed is not None:
+        out["sampling_seed"] = p.seed
+    return out
 
 
 def _ok(result, what: str):

@@ -6,6 +6,9 @@ but a few things it imports or dispatches to exist only in GPU builds:
   and call them on every prefill and KV move; both are a few lines of torch here. Any other name
   imported from it is a stand-in that raises when called. No `torch.ops.sgl_kernel` ops are
   registered, so SGLang takes its native torch paths (norms, rope, activations, MoE).
+- Seeded sampling calls `torch.ops.sgl_kernel.murmur_hash32_cpu` (the hash behind per-request
+  seeds): registered here as a torch op with the same 32-bit MurmurHash3 mixing as SGLang's GPU
+  kernel. Registering it leaves `convert_weight_packed` absent, the op SGLang probes for AMX.
 - `torchvision`: SGLang imports it unconditionally and PyPI's wheel is a CUDA build that cannot
   load beside CPU torch. transformers must still see it "installed" (its AutoImageProcessor
   refuses otherwise), so the stand-in has a version and fails on first real use.
@@ -56,6 +59,43 @@ def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
         raw = (ctypes.c_uint8 * (rows * stride)).from_address(ptr)  # the buffer itself, no copy
         buf = torch.frombuffer(raw, dtype=torch.uint8).view(rows, stride)
         buf[tgt] = buf[src].clone()
+
+
+_U32 = 0xFFFFFFFF
+
+
+def _murmur_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One MurmurHash3 block on uint32 values held in int64 (products keep their low 32 bits)."""
+    k = (k * 0xCC9E2D51) & _U32
+    k = ((k << 15) | (k >> 17)) & _U32
+    k = (k * 0x1B873593) & _U32
+    h = h ^ k
+    h = ((h << 13) | (h >> 19)) & _U32
+    return (h * 5 + 0xE6546B64) & _U32
+
+
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    """[n, m] hashes of (64-bit seed, 32-bit position) of row i and column index j, as SGLang's kernel."""
+    s = seed.view(torch.int64) if seed.dtype == torch.uint64 else seed.to(torch.int64)
+    h = torch.zeros_like(s)
+    for k in (s & _U32, (s >> 32) & _U32, positions.to(torch.int64) & _U32):
+        h = _murmur_mix(h, k)
+    h = _murmur_mix(h[:, None], (col_indices.to(torch.int64) & _U32)[None, :]) ^ 16
+    for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, 1)):
+        h = h ^ (h >> shift)
+        h = (h * mul) & _U32
+    return h.to(torch.uint32)
+
+
+def _register_ops() -> None:
+    if not hasattr(torch.ops.sgl_kernel, "murmur_hash32_cpu"):
+        lib = torch.library.Library("sgl_kernel", "FRAGMENT")  # noqa: TOR901 - kept alive below
+        lib.define("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor")
+        lib.impl("murmur_hash32_cpu", murmur_hash32_cpu, "CPU")
+        _LIBS.append(lib)
+
+
+_LIBS: list = []
 
 
 class _StandIn(types.ModuleType):
@@ -109,6 +149,7 @@ def install() -> None:
         if name in sys.modules and not isinstance(sys.modules[name], _StandIn):
             raise RuntimeError(f"{name} is already imported in this process; the CPU stand-in cannot replace it")
     sys.meta_path.insert(0, _StandInFinder())
+    _register_ops()
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
 

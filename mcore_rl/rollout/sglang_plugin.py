@@ -5,6 +5,11 @@ model is built.
 - `Scheduler.mcore_rl_weight_digests(path)`: digests of every parameter of this TP rank, written
   atomically to `path.tp{rank}.json`. Reached through `Engine.collective_rpc`, which reports only
   success, hence the file. This is how a sync is read back and verified.
+- Seeded sampling (MCORE_RL_SEEDED_SAMPLING=1, `rollout.seeded`): SGLang samples a request with
+  its own `sampling_seed` (a hash of seed, position and token: reproducible, independent of batch
+  composition) only in deterministic-inference mode, which its CPU and most GPU attention backends
+  refuse. The patch builds the per-request seed tensor for every batch (42 where a request has
+  none, as SGLang does) so its pytorch sampler honours the seeds in any mode.
 - On CPU, the MLA attention handler for `torch_native` (mcore_rl.rollout.sglang_cpu).
 """
 
@@ -30,10 +35,31 @@ def _scheduler_weight_digests(self, path: str) -> None:
     os.replace(out + ".tmp", out)
 
 
+def _seeded_sampling() -> None:
+    import torch
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+    if "sampling_seed" not in getattr(SamplingBatchInfo, "__dataclass_fields__", {}):
+        raise RuntimeError("this SGLang has no per-request sampling_seed: rollout.seeded cannot be honoured")
+    original = SamplingBatchInfo.from_schedule_batch.__func__
+
+    def from_schedule_batch(cls, batch, vocab_size):
+        info = original(cls, batch, vocab_size)
+        if info.sampling_seed is None:
+            seeds = [r.sampling_params.sampling_seed for r in batch.reqs]
+            info.sampling_seed = torch.tensor([42 if s is None else s for s in seeds], dtype=torch.int64,
+                                              device=info.temperatures.device)
+        return info
+
+    SamplingBatchInfo.from_schedule_batch = classmethod(from_schedule_batch)
+
+
 def register() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
     Scheduler.mcore_rl_weight_digests = _scheduler_weight_digests
+    if os.environ.get("MCORE_RL_SEEDED_SAMPLING") == "1":
+        _seeded_sampling()
     if os.environ.get("MCORE_RL_SGLANG_CPU") == "1":
         from mcore_rl.rollout.sglang_cpu import register_mla_handler
 
