@@ -1,6 +1,6 @@
 """Reference packages that cannot live in the main venv, pip-installed on the side for tests.
 
-verl and SGLang pin versions of transformers/torch that conflict with ours, so when a package
+verl pins versions of transformers/torch that conflict with ours, so when such a package
 does not import from the main venv its pinned wheels are pip-installed with --no-deps into a side
 directory that is appended (not prepended) to sys.path: nothing there can shadow the main venv.
 
@@ -32,7 +32,7 @@ OPT_OUT = "MCORE_RL_NO_SIDE_INSTALL"
 
 @dataclass(frozen=True)
 class SideInstall:
-    name: str  # "verl", "sglang": also the environment variables' <NAME>
+    name: str  # e.g. "verl": also the environment variables' <NAME>
     version: str
     packages: tuple[str, ...]  # pinned requirements, installed together with --no-deps
     probe: str  # a module that imports from the main venv when the package is installed there

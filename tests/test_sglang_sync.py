@@ -1,11 +1,12 @@
 """Megatron -> SGLang weight sync against SGLang's own model, loader and wire classes.
 
 Two gloo processes each hold a megatron rank (loaded through our converter) and an SGLang rank
-(SGLang's real DeepseekV2ForCausalLM / Qwen2ForCausalLM). Weights go through our plan, gather and
-CudaIpcTransport, serialized with SGLang's MultiprocessingSerializer and FlattenedTensorMetadata,
-unpacked by SGLang's FlattenedTensorBucket and loaded by its load_weights, exactly as its
-TpModelWorker does; the result must equal the same SGLang model loaded straight from the HF
-files, bit for bit. Layouts that cannot run here (TP16 over 2 nodes, EP8) are checked as plans.
+(SGLang's real DeepseekV2ForCausalLM / Qwen2ForCausalLM; SGLang as installed in the venv, with the
+CPU stand-ins of mcore_rl.rollout.sglang_cpu). Weights go through our plan, gather and transports
+(CudaIpcTransport with SGLang's FlattenedTensorMetadata, read back by its MultiprocessingSerializer;
+update-group broadcast; disk) into SGLang's WeightUpdater, exactly as its TpModelWorker does; the
+result must equal the same SGLang model loaded straight from the HF files, bit for bit. Layouts
+that cannot run here (TP16 over 2 nodes, EP8) are checked as plans.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ BUCKET = 48 << 10  # small, so every model needs many buckets
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     reason = sglang_reference.available()
-    if reason:
-        sglang_reference.SIDE.unavailable(reason)  # fails (skips under MCORE_RL_NO_SIDE_INSTALL=1)
+    if reason:  # scripts/setup.sh installs SGLang: missing is an error, not a skip
+        pytest.fail(reason)
     root = tmp_path_factory.mktemp("sync")
     for fam in {c[0] for c in CASES.values()}:
         make_hf_model(fam, str(root / fam / "hf"))
@@ -49,17 +50,17 @@ def models(tmp_path_factory):
 
 class ThreadedEngine:
     """Stands where SGLang's scheduler stands: the driver's calls reach every engine rank (here over
-    a gloo group, served by a thread on the other ranks), and each rank runs SGLang's own
-    WeightUpdater (begin/end, disk, update group, distributed receive) or, for tensor payloads,
-    unpacks its own with SGLang's classes and runs its model's load_weights, as TpModelWorker does.
-    A call returns once every rank has finished and raises if any rank failed."""
+    a gloo group, served by a thread on the other ranks), and each rank deserializes its own tensor
+    payload and hands every update to SGLang's own WeightUpdater, as TpModelWorker does (tensor,
+    disk, update group, distributed; begin/end where the version has them). A call returns once
+    every rank has finished and raises if any rank failed."""
 
     def __init__(self, model, rank: int, group, hf_dir: str):
         import torch.distributed as dist
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-        self.model, self.rank, self.group, self.dist = model, rank, group, dist
+        self.rank, self.group, self.dist = rank, group, dist
         self.updater = WeightUpdater(
             tp_rank=rank, device="cpu", gpu_id=0, model_config=ModelConfig(hf_dir, dtype="float32"),
             custom_weight_loaders={}, get_model=lambda: model, update_model_fields=lambda *a, **k: None,
@@ -95,35 +96,44 @@ class ThreadedEngine:
         self.dist.all_gather_object(errors, error, group=self.group)
         return errors
 
+    def _has_sessions(self) -> bool:
+        """SGLang 0.5.23 brackets an update with begin/end and receives apart from loading; 0.5.20
+        has neither (its model's load_weights runs the post-load step itself)."""
+        return hasattr(self.updater, "begin_weight_update")
+
     def _begin(self):
         self.loaded_in_session = False
-        self.updater.begin_weight_update()
+        if self._has_sessions():
+            self.updater.begin_weight_update()
 
     def _end(self):
-        self.updater.end_weight_update(run_post_load=not self.loaded_in_session)
+        if self._has_sessions():
+            self.updater.end_weight_update(run_post_load=not self.loaded_in_session)
+
+    def _loaded(self, names, result):
+        if result[0]:  # (success, message), as every WeightUpdater method returns
+            self.loaded_names += names
+            self.loaded_in_session = True
+        return result
 
     def _tensor(self, payloads, load_format):
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         assert load_format == "flattened_bucket"
-        monkey_patch_torch_reductions()
+        monkey_patch_torch_reductions()  # TpModelWorker: each rank deserializes its own payload
         data = MultiprocessingSerializer.deserialize(payloads[self.rank])
-        bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
-        named = bucket.reconstruct_tensors()
-        self.loaded_names += [n for n, _ in named]
-        self.model.load_weights(named)
-        self.loaded_in_session = True
+        names = [m.name for m in data["metadata"]]
+        return self._loaded(names, self.updater.update_weights_from_tensor(data, load_format=load_format))
 
     def _init_group(self, kwargs):
         return self.updater.init_weights_update_group(**kwargs)
 
     def _distributed(self, kwargs):
+        if not self._has_sessions():  # 0.5.20: receives and loads in one call
+            return self._loaded(kwargs["names"], self.updater.update_weights_from_distributed(**kwargs))
         weights = self.updater.receive_weights_from_distributed(**kwargs)
-        self.loaded_names += [n for n, _ in weights]
-        self.loaded_in_session = True
-        return self.updater.load_weights_from_distributed(weights)
+        return self._loaded([n for n, _ in weights], self.updater.load_weights_from_distributed(weights))
 
     def _disk(self, path):
         return self.updater.update_weights_from_disk(path, load_format="auto")
@@ -157,8 +167,9 @@ class ThreadedEngine:
 
 def _cpu_serialize(obj) -> bytes:
     """SGLang's MultiprocessingSerializer bytes for CPU tensors: its monkey_patch_torch_reductions
-    (active once SGLang's model code ran) rewrites CUDA handles and breaks on CPU tensors, so pickle
-    with torch's own tensor reducer; SGLang's SafeUnpickler reads the result."""
+    (applied by its weight-update path, here in the driver's own process) rewrites the device
+    index of CUDA handles and raises IndexError on CPU tensors, so pickle with torch's own tensor
+    reducer; SGLang's SafeUnpickler reads the result."""
     import io
     from multiprocessing.reduction import ForkingPickler
 
@@ -279,7 +290,7 @@ def _bucket_format_matches_sglang() -> dict:
 
 
 def _worker(rank, root, out):
-    assert sglang_reference.available() is None  # side path and torchvision stand-in in this process
+    sglang_reference.sglang_module("sglang.srt")  # CPU stand-ins before any SGLang import below
     if rank == 0:
         with open(os.path.join(out, "bucket_format.json"), "w") as f:
             json.dump(_bucket_format_matches_sglang(), f)
