@@ -10,7 +10,7 @@ import time
 
 from converters.hf_io import CheckpointError
 from converters.merge.validate import ValidationFailed
-from mcore_rl.models.config import LayoutError, UnsupportedModelError
+from mcore_rl.cli_errors import BAD_INPUT, report
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             convert.mcore_to_hf(args.ckpt, args.out, args.hf_config, args.dtype,
                                 int(args.max_shard_size * 2**30))
-    except (CheckpointError, LayoutError, UnsupportedModelError, FileNotFoundError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (*BAD_INPUT, KeyError) as e:  # KeyError: a checkpoint lacking a tensor the model needs
+        return report(e)
     except ValidationFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -79,6 +79,8 @@ def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: st
                 check=None) -> str:
     """`files` locates data files spread over several directories (see TorchDistReader);
     `check(tmp_dir)` runs on the finished output before it is renamed into place."""
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
     side = hf_config or os.path.join(ckpt_dir, HF_DIR)
     if not os.path.exists(os.path.join(side, "config.json")):
         raise CheckpointError(f"no HF config.json in {side}; pass --hf-config DIR")

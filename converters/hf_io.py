@@ -13,6 +13,8 @@ from typing import Iterable, Iterator
 import torch
 from safetensors.torch import save_file
 
+from mcore_rl.cli_errors import BadInput
+
 INDEX = "model.safetensors.index.json"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -27,7 +29,7 @@ SAFETENSORS_DTYPES = {
 ST_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     pass
 
 

@@ -240,11 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     a = p.parse_args(argv)
+    from mcore_rl.cli_errors import BAD_INPUT, report
+
     try:
         cfg = C.load_config(a.config, a.overrides)
-    except C.ConfigError as e:
-        print(f"config error: {e}")
-        return 2
+        C.require_model_dirs(cfg)
+    except BAD_INPUT as e:
+        return report(e)
     if cfg.rollout.engine != "embedded":
         print("config error: rollout.engine=sglang needs the SGLang engine (GPU); "
               "use rollout.engine=embedded here")

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.cli_errors import BadInput, hf_config
+
 SUPPORTED = ("deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(BadInput):
     pass
 
 
@@ -26,8 +26,7 @@ class HFModel:
 
     @classmethod
     def from_dir(cls, path: str) -> "HFModel":
-        with open(os.path.join(path, "config.json")) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(hf_config(path))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "HFModel":
@@ -245,7 +244,7 @@ def _moe_config(m: HFModel) -> dict[str, Any]:
     )
 
 
-class LayoutError(ValueError):
+class LayoutError(BadInput):
     pass
 
 
