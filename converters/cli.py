@@ -21,12 +21,14 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
     for flag in ("tp", "pp", "ep", "etp"):
         a.add_argument(f"--{flag}", type=int, default=1, help=f"target {flag.upper()} size")
-    a.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    a.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="cast the parameters (default: keep the checkpoint's own dtypes)")
     b = sub.add_parser("mcore-to-hf", help="megatron-core torch_dist checkpoint -> HF safetensors")
     b.add_argument("--ckpt", required=True, help="torch_dist checkpoint directory")
     b.add_argument("--out", required=True, help="output HF directory (must not exist)")
     b.add_argument("--hf-config", help="directory with config.json/tokenizer (default: CKPT/hf)")
-    b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast on export")
+    b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="cast on export (default: keep the checkpoint's own dtypes)")
     b.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors shard")
     _merge_parser(sub)
     return p

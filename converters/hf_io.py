@@ -91,6 +91,13 @@ class HFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.meta
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype get(name) returns: the stored one, bf16 for FP8 block weights (dequantized)."""
+        st = ST_DTYPES[self.meta[name]["dtype"]]
+        if st in (torch.float8_e4m3fn, torch.float8_e5m2) and name + "_scale_inv" in self.meta:
+            return torch.bfloat16
+        return st
+
     def nbytes(self, name: str) -> int:
         a, b = self.meta[name]["data_offsets"]
         return b - a
