@@ -7,6 +7,7 @@ before a model is built (`mcore_rl.models.build_model` calls it).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import logging
@@ -154,7 +155,44 @@ def _tied_embeddings_cpu():
     LanguageModule.setup_embeddings_and_output_layer = cpu_setup
 
 
+# expert scores each group is ranked by (the sum of its top-n), while a router routes; None: megatron's own
+_GROUP_SCORE_TOPK: contextvars.ContextVar[int | None] = contextvars.ContextVar("group_score_topk", default=None)
+
+
+def _deepseek_group_routing():
+    """Group-limited routing ranks each token's expert groups by the sum of a group's top-n scores:
+    megatron-core takes n = topk / group_topk, DeepSeek-V3 n = 2 and DeepSeek-V2's
+    group_limited_greedy n = 1 (the group's best expert), whatever the top-k. A router whose config
+    carries `moe_router_group_score_topk` (mcore_rl.models.transformer_config sets it) ranks with that n."""
+    from megatron.core.transformer.moe import moe_utils, router
+
+    def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
+        n = _GROUP_SCORE_TOPK.get() or topk // group_topk
+        grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = grouped.topk(n, dim=-1).values.sum(dim=-1)
+        chosen = group_scores.topk(group_topk, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+        return torch.topk(masked, k=topk, dim=-1)
+
+    routing = router.TopKRouter.routing
+
+    @functools.wraps(routing)
+    def routing_with_group_rule(self, *args, **kwargs):
+        token = _GROUP_SCORE_TOPK.set(getattr(self.config, "moe_router_group_score_topk", None))
+        try:
+            return routing(self, *args, **kwargs)
+        finally:
+            _GROUP_SCORE_TOPK.reset(token)
+
+    moe_utils.group_limited_topk = group_limited_topk  # looked up by name when the top-k is taken
+    router.TopKRouter.routing = routing_with_group_rule
+
+
 PATCHES = (
+    Patch("deepseek_group_routing", "megatron ranks expert groups by top-(topk/group_topk) sums, "
+          "DeepSeek-V3 by top-2 sums and DeepSeek-V2 by the group's best score",
+          _deepseek_group_routing),
     Patch("mla_no_te", "MLA believes TE is present when TE's import was replaced by a MagicMock",
           _mla_no_te),
     Patch("moe_gemm_no_te", "moe_utils calls te_general_gemm, undefined when TE is absent",
