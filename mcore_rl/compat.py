@@ -189,7 +189,45 @@ def _deepseek_group_routing():
     router.TopKRouter.routing = routing_with_group_rule
 
 
+def _expert_bias_padding_mask():
+    """Count only unpadded tokens for the expert-bias update: 0.16's TopKRouter ANDs its [tokens,
+    experts] routing map with the [tokens] padding mask, which does not broadcast (megatron-core
+    later fixed this the same way: the mask drops whole token rows)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():  # as megatron: not in eval or recompute
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
+def _padding_mask_later_stages():
+    """GPTModel splits the padding mask over sequence-parallel ranks on the first pipeline stage
+    only; later stages' MoE layers got the whole sequence's mask beside their slice of tokens."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    preprocess = GPTModel._preprocess
+
+    @functools.wraps(preprocess)
+    def split_on_every_stage(self, *args, padding_mask=None, **kwargs):
+        if padding_mask is not None and not self.pre_process and self.config.sequence_parallel:
+            padding_mask = tensor_parallel.scatter_to_sequence_parallel_region(
+                padding_mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+        return preprocess(self, *args, padding_mask=padding_mask, **kwargs)
+
+    GPTModel._preprocess = split_on_every_stage
+
+
 PATCHES = (
+    Patch("expert_bias_padding_mask", "the expert-bias token count ANDs a [tokens, experts] map "
+          "with a [tokens] padding mask (a shape error)", _expert_bias_padding_mask),
+    Patch("padding_mask_later_stages", "the padding mask is split over sequence-parallel ranks on "
+          "the first pipeline stage only", _padding_mask_later_stages),
     Patch("deepseek_group_routing", "megatron ranks expert groups by top-(topk/group_topk) sums, "
           "DeepSeek-V3 by top-2 sums and DeepSeek-V2 by the group's best score",
           _deepseek_group_routing),
