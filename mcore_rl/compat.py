@@ -12,6 +12,7 @@ import functools
 import importlib
 import logging
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -264,13 +265,48 @@ PATCHES = (
 
 _applied: set[str] = set()
 
+# optional accelerators megatron-core falls back from: (name, module)
+ACCELERATORS = (("TransformerEngine", "transformer_engine"), ("Apex", "apex"))
 
-def _have_te() -> bool:
+# what megatron-core (and torch beneath it) warns about in every process, at import or first use,
+# none of it the user's to act on: (message regex, module regex)
+_NOT_ACTIONABLE = (
+    (r"(Transformer Engine and Apex are|Apex is) not installed", r"megatron\."),
+    (r"full scope is deprecated", r"megatron\."),  # megatron's own cuda_graph_scope default
+    (r"The \.grad attribute of a Tensor that is not a leaf", r"megatron\."),
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", r"torch\."),
+)
+
+
+def quiet_fallback_warnings() -> None:
+    """Silence the warnings above in this process (idempotent); call before megatron is imported.
+    A run names the missing accelerators once instead (`accelerators_line`)."""
+    for message, module in _NOT_ACTIONABLE:  # filterwarnings replaces an identical filter
+        warnings.filterwarnings("ignore", message=message, module=module)
+
+
+def missing_accelerators() -> list[str]:
+    return [name for name, module in ACCELERATORS if not _importable(module)]
+
+
+def accelerators_line() -> str:
+    missing = missing_accelerators()
+    if not missing:
+        return "optional accelerators: " + ", ".join(name for name, _ in ACCELERATORS) + " present"
+    return (f"optional accelerators not installed: {', '.join(missing)} "
+            "(megatron-core uses its local PyTorch fallbacks)")
+
+
+def _importable(module: str) -> bool:
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:
+        importlib.import_module(module)
+    except Exception:  # absent, or present but unusable: megatron falls back either way
         return False
     return True
+
+
+def _have_te() -> bool:
+    return _importable("transformer_engine")
 
 
 def megatron_version() -> str:

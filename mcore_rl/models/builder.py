@@ -85,6 +85,7 @@ def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_pr
 
     fast_moe=False keeps megatron's per-expert loop and scatter-add permutation (for comparisons).
     """
+    compat.quiet_fallback_warnings()  # before the imports below pull in megatron's model modules
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
