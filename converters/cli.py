@@ -10,7 +10,7 @@ import time
 
 from converters.hf_io import CheckpointError
 from converters.merge.validate import ValidationFailed
-from mcore_rl.models.config import LayoutError, UnsupportedModelError
+from mcore_rl.cli_errors import BAD_INPUT, report
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,12 +21,14 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="output checkpoint directory (must not exist)")
     for flag in ("tp", "pp", "ep", "etp"):
         a.add_argument(f"--{flag}", type=int, default=1, help=f"target {flag.upper()} size")
-    a.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    a.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="cast the parameters (default: keep the checkpoint's own dtypes)")
     b = sub.add_parser("mcore-to-hf", help="megatron-core torch_dist checkpoint -> HF safetensors")
     b.add_argument("--ckpt", required=True, help="torch_dist checkpoint directory")
     b.add_argument("--out", required=True, help="output HF directory (must not exist)")
     b.add_argument("--hf-config", help="directory with config.json/tokenizer (default: CKPT/hf)")
-    b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast on export")
+    b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="cast on export (default: keep the checkpoint's own dtypes)")
     b.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors shard")
     _merge_parser(sub)
     return p
@@ -85,9 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             convert.mcore_to_hf(args.ckpt, args.out, args.hf_config, args.dtype,
                                 int(args.max_shard_size * 2**30))
-    except (CheckpointError, LayoutError, UnsupportedModelError, FileNotFoundError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (*BAD_INPUT, KeyError) as e:  # KeyError: a checkpoint lacking a tensor the model needs
+        return report(e)
     except ValidationFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import logging
 import math
@@ -21,6 +23,7 @@ log = logging.getLogger("converters")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")  # transformers 5 writes the first, older ones the second
 
 
 def _bar(total: int, desc: str, unit: str = "B"):
@@ -49,27 +52,50 @@ def plan_hf_import(hf: HFModel, ckpt: HFCheckpoint) -> list:
 
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
-                dtype: str = "bf16") -> str:
+                dtype: str | None = None) -> str:
+    """dtype: cast every parameter to it; None keeps each tensor's own dtype (bit-exact round trips)."""
     hf = HFModel.from_dir(hf_dir)
     validate_layout(hf, tp, pp, ep, etp)
     qcfg = hf.get("quantization_config") or {}
     ckpt = HFCheckpoint(hf_dir, block_size=tuple(qcfg.get("weight_block_size", (128, 128))))
     params = plan_hf_import(hf, ckpt)
-    total = sum(math.prod(ckpt.meta[h]["shape"]) for p in params for h in p.hf) * DTYPES[dtype].itemsize
+    cast = DTYPES[dtype] if dtype else None
+    model_dtype = cast or checkpoint_dtype(hf, ckpt, params)
+
+    def stored(p) -> torch.dtype:
+        return cast or functools.reduce(torch.promote_types, (ckpt.dtype(h) for h in p.hf))
+
+    total = sum(math.prod(ckpt.meta[h]["shape"]) * stored(p).itemsize for p in params for h in p.hf)
     with atomic_dir(out) as tmp, _bar(total, "hf -> mcore") as bar:
         write_torch_dist(hf, lambda p: p.to_mcore(hf, [ckpt.get(h) for h in p.hf]), tmp,
-                         DTYPES[dtype], bar, meta={"layout": dict(tp=tp, pp=pp, ep=ep, etp=etp),
-                                                   "source": os.path.abspath(hf_dir)})
+                         model_dtype, bar, meta={"layout": dict(tp=tp, pp=pp, ep=ep, etp=etp),
+                                                 "source": os.path.abspath(hf_dir)},
+                         stored_dtype=stored)
         os.makedirs(os.path.join(tmp, HF_DIR))
         copy_side_files(hf_dir, os.path.join(tmp, HF_DIR))
-        _write_config(hf, os.path.join(tmp, HF_DIR))
+        _write_config(hf, os.path.join(tmp, HF_DIR), cast)
     ckpt.close()
     return out
 
 
-def _write_config(hf: HFModel, dst: str):
+def checkpoint_dtype(hf: HFModel, ckpt: HFCheckpoint, params: list) -> torch.dtype:
+    """The model's dtype: what its config says, else that of most of its parameters' elements."""
+    for key in CONFIG_DTYPE_KEYS:
+        if hf.get(key) in DTYPES:
+            return DTYPES[hf.get(key)]
+    counts = collections.Counter()
+    for p in params:
+        for h in p.hf:
+            counts[ckpt.dtype(h)] += math.prod(ckpt.meta[h]["shape"])
+    return counts.most_common(1)[0][0]
+
+
+def _write_config(hf: HFModel, dst: str, cast: torch.dtype | None = None):
     # weights are dequantized on import, so the exported config must not claim FP8
     cfg = {k: v for k, v in hf.cfg.items() if k != "quantization_config"}
+    if cast is not None:  # the config says what the tensors now are
+        keys = [k for k in CONFIG_DTYPE_KEYS if k in cfg] or CONFIG_DTYPE_KEYS[:1]
+        cfg.update({k: str(cast).removeprefix("torch.") for k in keys})
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
 
@@ -79,27 +105,34 @@ def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: st
                 check=None) -> str:
     """`files` locates data files spread over several directories (see TorchDistReader);
     `check(tmp_dir)` runs on the finished output before it is renamed into place."""
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
     side = hf_config or os.path.join(ckpt_dir, HF_DIR)
     if not os.path.exists(os.path.join(side, "config.json")):
         raise CheckpointError(f"no HF config.json in {side}; pass --hf-config DIR")
     hf = HFModel.from_dir(side)
     reader = TorchDistReader(ckpt_dir, hf, files)
     cast = DTYPES[dtype] if dtype else None
+
+    def exported(param, x: torch.Tensor) -> torch.Tensor:
+        # the expert bias stays fp32, as transformers keeps it (and as megatron trains it)
+        return x if cast is None or reader.entries[param.mcore].buffer else x.to(cast)
+
     total = sum(reader.metadata.state_dict_metadata[k].size.numel() for e in reader.entries.values()
                 for k in e.keys)
     # every output tensor's name, shape and dtype is known from metadata: shard headers are
     # written first and each tensor goes straight to its place (memory: one read batch)
-    plan = [Planned(name, tuple(x.shape), cast or x.dtype) for param, meta in reader.meta_params()
+    plan = [Planned(name, tuple(x.shape), exported(param, x).dtype) for param, meta in reader.meta_params()
             for name, x in param.to_hf(hf, meta).items()]
     with atomic_dir(out) as tmp, _bar(total, "mcore -> hf", unit=" params") as bar:
         writer = PlannedWriter(tmp, plan, max_shard_bytes)
         for param, t in reader.params():
             bar.update(t.numel())
             for name, x in param.to_hf(hf, t).items():
-                writer.write(name, x if cast is None else x.to(cast))
+                writer.write(name, exported(param, x))
         writer.close()
         copy_side_files(side, tmp)
-        _write_config(hf, tmp)
+        _write_config(hf, tmp, cast)
         if check is not None:
             check(tmp)
     return out

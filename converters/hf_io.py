@@ -13,6 +13,8 @@ from typing import Iterable, Iterator
 import torch
 from safetensors.torch import save_file
 
+from mcore_rl.cli_errors import BadInput
+
 INDEX = "model.safetensors.index.json"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -27,7 +29,7 @@ SAFETENSORS_DTYPES = {
 ST_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     pass
 
 
@@ -88,6 +90,13 @@ class HFCheckpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self.meta
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype get(name) returns: the stored one, bf16 for FP8 block weights (dequantized)."""
+        st = ST_DTYPES[self.meta[name]["dtype"]]
+        if st in (torch.float8_e4m3fn, torch.float8_e5m2) and name + "_scale_inv" in self.meta:
+            return torch.bfloat16
+        return st
 
     def nbytes(self, name: str) -> int:
         a, b = self.meta[name]["data_offsets"]

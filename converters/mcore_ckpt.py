@@ -31,6 +31,7 @@ class Entry:
     keys: list[str]
     shapes: list[tuple[int, ...]]
     factory: object | None  # megatron ShardedTensorFactory (GLU split) or None
+    buffer: bool = False  # a buffer megatron keeps in fp32 whatever the model's dtype (expert bias)
 
 
 def _ensure_single_process_group():
@@ -58,6 +59,7 @@ def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
                                                    perform_initialization=False),
                             pre_process=True, post_process=True)
     sharded = sharded_state_dict(model)
+    buffers = {n for n, _ in model.named_buffers()}
     params = mapping_for(hf).by_mcore(hf)
     entries: dict[str, Entry] = {}
     for name, v in sharded.items():
@@ -68,15 +70,20 @@ def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
             keys, shapes = [s.key for s in built], [tuple(s.local_shape) for s in built]
         else:
             keys, shapes, v = [v.key], [tuple(v.local_shape)], None
-        entries[name] = Entry(params.pop(name), keys, shapes, v)
+        entries[name] = Entry(params.pop(name), keys, shapes, v, buffer=name in buffers)
     if params:
         raise KeyError(f"mapping rules with no megatron parameter: {sorted(params)[:5]}")
     return sharded, entries
 
 
 def write_torch_dist(hf: HFModel, produce: Callable[[Param], torch.Tensor], out: str,
-                     dtype: torch.dtype = torch.bfloat16, progress=None, meta: dict | None = None):
-    """Write a torch_dist checkpoint; `produce(param)` returns the full tensor for one parameter."""
+                     dtype: torch.dtype = torch.bfloat16, progress=None, meta: dict | None = None,
+                     stored_dtype: Callable[[Param], torch.dtype] | None = None):
+    """Write a torch_dist checkpoint; `produce(param)` returns the full tensor for one parameter.
+
+    Parameters are stored in `dtype`, or in `stored_dtype(param)` where given (a checkpoint keeping
+    its tensors' own dtypes); buffers megatron keeps in fp32 (the expert bias) stay fp32.
+    """
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
@@ -93,6 +100,10 @@ def write_torch_dist(hf: HFModel, produce: Callable[[Param], torch.Tensor], out:
     for name, v in list(sharded.items()):
         if isinstance(v, ShardedTensorFactory):
             sharded[name] = v.build()
+        if stored_dtype is not None and not entries[name].buffer:
+            want = stored_dtype(entries[name].param)
+            for sh in sharded[name] if isinstance(sharded[name], list) else [sharded[name]]:
+                sh.data, sh.dtype = sh.data.to(want), want  # meta tensors: only the dtype changes
     sharded, _common = save_preprocess(sharded, validate_access_integrity=True)
     sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, False)
     pyt = mcore_to_pyt_state_dict(sharded, False)
@@ -109,7 +120,7 @@ def write_torch_dist(hf: HFModel, produce: Callable[[Param], torch.Tensor], out:
                 self.written.untyped_storage().resize_(0)
             e, i = by_key[item.index.fqn]
             if e.param.mcore not in cache:
-                # the skeleton's dtype: `dtype` for parameters, fp32 for buffers such as the expert bias
+                # the planned dtype: `dtype` or stored_dtype for parameters, fp32 for the expert bias
                 full = produce(e.param).to(item.tensor_data.properties.dtype)
                 if e.factory is None:
                     parts = [full]

@@ -19,7 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mcore_rl import batching as mb
-from mcore_rl import optim, pipeline
+from mcore_rl import compat, optim, pipeline
+
+compat.quiet_fallback_warnings()  # before megatron is imported: rank 0 names what is missing once
 
 
 def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, with_entropy: bool = False):
@@ -53,6 +55,8 @@ class MegatronActor:
         from mcore_rl.parallel import Layout, init_distributed
 
         torch.set_num_threads(1)
+        if rank == 0:
+            print(compat.accelerators_line(), flush=True)
         init = init or {}
         p = cfg["parallel"]
         self.layout = Layout(tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"])

@@ -77,6 +77,13 @@ class Packed:
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
+    @property
+    def filler(self) -> torch.Tensor:
+        """[1, T] True on the filler segment (megatron's padding_mask: MoE routers leave these
+        tokens out of the load counts that drive the expert-bias update)."""
+        real = self.cu_seqlens[self.valid.shape[0]]  # where the samples' segments end
+        return (torch.arange(self.length, device=self.input_ids.device) >= real)[None]
+
     def at_responses(self, out: torch.Tensor) -> torch.Tensor:
         """Per-position outputs [T, ...] -> [mb, R, ...] at the response tokens (0 where not valid)."""
         picked = out[self.predictor]

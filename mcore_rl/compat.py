@@ -7,10 +7,12 @@ before a model is built (`mcore_rl.models.build_model` calls it).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import logging
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -154,7 +156,82 @@ def _tied_embeddings_cpu():
     LanguageModule.setup_embeddings_and_output_layer = cpu_setup
 
 
+# expert scores each group is ranked by (the sum of its top-n), while a router routes; None: megatron's own
+_GROUP_SCORE_TOPK: contextvars.ContextVar[int | None] = contextvars.ContextVar("group_score_topk", default=None)
+
+
+def _deepseek_group_routing():
+    """Group-limited routing ranks each token's expert groups by the sum of a group's top-n scores:
+    megatron-core takes n = topk / group_topk, DeepSeek-V3 n = 2 and DeepSeek-V2's
+    group_limited_greedy n = 1 (the group's best expert), whatever the top-k. A router whose config
+    carries `moe_router_group_score_topk` (mcore_rl.models.transformer_config sets it) ranks with that n."""
+    from megatron.core.transformer.moe import moe_utils, router
+
+    def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
+        n = _GROUP_SCORE_TOPK.get() or topk // group_topk
+        grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = grouped.topk(n, dim=-1).values.sum(dim=-1)
+        chosen = group_scores.topk(group_topk, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+        return torch.topk(masked, k=topk, dim=-1)
+
+    routing = router.TopKRouter.routing
+
+    @functools.wraps(routing)
+    def routing_with_group_rule(self, *args, **kwargs):
+        token = _GROUP_SCORE_TOPK.set(getattr(self.config, "moe_router_group_score_topk", None))
+        try:
+            return routing(self, *args, **kwargs)
+        finally:
+            _GROUP_SCORE_TOPK.reset(token)
+
+    moe_utils.group_limited_topk = group_limited_topk  # looked up by name when the top-k is taken
+    router.TopKRouter.routing = routing_with_group_rule
+
+
+def _expert_bias_padding_mask():
+    """Count only unpadded tokens for the expert-bias update: 0.16's TopKRouter ANDs its [tokens,
+    experts] routing map with the [tokens] padding mask, which does not broadcast (megatron-core
+    later fixed this the same way: the mask drops whole token rows)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        if self.enable_expert_bias and torch.is_grad_enabled():  # as megatron: not in eval or recompute
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias
+
+
+def _padding_mask_later_stages():
+    """GPTModel splits the padding mask over sequence-parallel ranks on the first pipeline stage
+    only; later stages' MoE layers got the whole sequence's mask beside their slice of tokens."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    preprocess = GPTModel._preprocess
+
+    @functools.wraps(preprocess)
+    def split_on_every_stage(self, *args, padding_mask=None, **kwargs):
+        if padding_mask is not None and not self.pre_process and self.config.sequence_parallel:
+            padding_mask = tensor_parallel.scatter_to_sequence_parallel_region(
+                padding_mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+        return preprocess(self, *args, padding_mask=padding_mask, **kwargs)
+
+    GPTModel._preprocess = split_on_every_stage
+
+
 PATCHES = (
+    Patch("expert_bias_padding_mask", "the expert-bias token count ANDs a [tokens, experts] map "
+          "with a [tokens] padding mask (a shape error)", _expert_bias_padding_mask),
+    Patch("padding_mask_later_stages", "the padding mask is split over sequence-parallel ranks on "
+          "the first pipeline stage only", _padding_mask_later_stages),
+    Patch("deepseek_group_routing", "megatron ranks expert groups by top-(topk/group_topk) sums, "
+          "DeepSeek-V3 by top-2 sums and DeepSeek-V2 by the group's best score",
+          _deepseek_group_routing),
     Patch("mla_no_te", "MLA believes TE is present when TE's import was replaced by a MagicMock",
           _mla_no_te),
     Patch("moe_gemm_no_te", "moe_utils calls te_general_gemm, undefined when TE is absent",
@@ -188,13 +265,48 @@ PATCHES = (
 
 _applied: set[str] = set()
 
+# optional accelerators megatron-core falls back from: (name, module)
+ACCELERATORS = (("TransformerEngine", "transformer_engine"), ("Apex", "apex"))
 
-def _have_te() -> bool:
+# what megatron-core (and torch beneath it) warns about in every process, at import or first use,
+# none of it the user's to act on: (message regex, module regex)
+_NOT_ACTIONABLE = (
+    (r"(Transformer Engine and Apex are|Apex is) not installed", r"megatron\."),
+    (r"full scope is deprecated", r"megatron\."),  # megatron's own cuda_graph_scope default
+    (r"The \.grad attribute of a Tensor that is not a leaf", r"megatron\."),
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", r"torch\."),
+)
+
+
+def quiet_fallback_warnings() -> None:
+    """Silence the warnings above in this process (idempotent); call before megatron is imported.
+    A run names the missing accelerators once instead (`accelerators_line`)."""
+    for message, module in _NOT_ACTIONABLE:  # filterwarnings replaces an identical filter
+        warnings.filterwarnings("ignore", message=message, module=module)
+
+
+def missing_accelerators() -> list[str]:
+    return [name for name, module in ACCELERATORS if not _importable(module)]
+
+
+def accelerators_line() -> str:
+    missing = missing_accelerators()
+    if not missing:
+        return "optional accelerators: " + ", ".join(name for name, _ in ACCELERATORS) + " present"
+    return (f"optional accelerators not installed: {', '.join(missing)} "
+            "(megatron-core uses its local PyTorch fallbacks)")
+
+
+def _importable(module: str) -> bool:
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:
+        importlib.import_module(module)
+    except Exception:  # absent, or present but unusable: megatron falls back either way
         return False
     return True
+
+
+def _have_te() -> bool:
+    return _importable("transformer_engine")
 
 
 def megatron_version() -> str:

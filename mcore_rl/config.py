@@ -23,6 +23,8 @@ from typing import Any, Callable, Literal, Union
 
 import yaml
 
+from mcore_rl.cli_errors import BAD_INPUT, BadInput, hf_config, read_yaml_mapping, report
+
 Dtype = Literal["bf16", "fp16", "fp32"]
 AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 KLType = Literal["k1", "k2", "low_var_kl"]
@@ -30,12 +32,13 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 
 
-class ConfigError(ValueError):
-    """One or more config problems; `.errors` holds one line per problem."""
+class ConfigError(BadInput):
+    """One or more config problems; `.errors` holds one line per problem (one problem: one line)."""
 
     def __init__(self, errors: list[str] | str):
         self.errors = [errors] if isinstance(errors, str) else list(errors)
-        super().__init__("invalid config:\n  " + "\n  ".join(self.errors))
+        sep = "\n  " if len(self.errors) > 1 else " "
+        super().__init__("invalid config:" + sep + sep.join(self.errors))
 
 
 @dataclass
@@ -354,8 +357,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
     """Read YAML (optional), apply overrides, build and (by default) validate the config."""
     data: Any = {}
     if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            data = read_yaml_mapping(path)
+        except BadInput as e:
+            raise ConfigError(str(e)) from None
     cfg = config_from_dict(apply_overrides(data, overrides or []))
     if validate:
         validate_config(cfg, model_info=model_info, available_gpus=available_gpus)
@@ -368,9 +373,25 @@ def hf_model_dims(model: ModelConfig) -> dict | None:
     if model.hf_config is not None:
         return model.hf_config
     if model.hf_path and os.path.isfile(os.path.join(model.hf_path, "config.json")):
-        with open(os.path.join(model.hf_path, "config.json")) as f:
-            return json.load(f)
+        return _hf_config(model.hf_path, "model.hf_path")
     return None
+
+
+def _hf_config(path: str, key: str) -> dict:
+    try:
+        return hf_config(path)
+    except BadInput as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def require_model_dirs(cfg: Config) -> None:
+    """Training reads the weights, so model.hf_path (and an enabled critic's hf_path), where set,
+    must be HF model directories with a readable config.json. validate_config does not ask this:
+    the memory planner needs only the shapes, which model.hf_config can give."""
+    for key, path in (("model.hf_path", cfg.model.hf_path),
+                      ("critic.hf_path", cfg.critic.hf_path if cfg.critic.enabled else None)):
+        if path:
+            _hf_config(path, key)
 
 
 def _num_experts(hf: dict) -> int:
@@ -501,8 +522,7 @@ def _check_embedded_shapes(m: ModelConfig, errors: list[str]) -> None:
     path = os.path.join(m.hf_path, "config.json")
     if not os.path.isfile(path):
         return
-    with open(path) as f:
-        on_disk = json.load(f)
+    on_disk = _hf_config(m.hf_path, "model.hf_path")
     differ = [f"{k} ({m.hf_config[k]!r} vs {on_disk[k]!r})" for k in sorted(m.hf_config)
               if k in on_disk and not isinstance(on_disk[k], dict) and on_disk[k] != m.hf_config[k]]
     if differ:
@@ -612,9 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         cfg = load_config(argv[0], argv[1:])
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
+    except BAD_INPUT as e:
+        return report(e)
     print(to_yaml(cfg), end="")
     return 0
 

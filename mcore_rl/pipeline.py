@@ -51,7 +51,8 @@ def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather:
 
     def step(data, model):
         k, packed = next(data)
-        out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params())
+        out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params(),
+                    padding_mask=packed.filler)
 
         def on_output(out, non_loss_data=False):  # last stage only
             out = gather_from_tensor_model_parallel_region(out) if tp_gather else out

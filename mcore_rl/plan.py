@@ -11,10 +11,11 @@ import argparse
 import json
 import sys
 
+from mcore_rl.cli_errors import BAD_INPUT, report
 from mcore_rl.config import ConfigError, hf_model_dims, load_config
 from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
 from mcore_rl.memory.planner import Plan, PlanError, PlanInputs, make_plan
-from mcore_rl.models.config import HFModel, UnsupportedModelError
+from mcore_rl.models.config import HFModel
 
 
 def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
@@ -24,8 +25,9 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
         capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
     dims = hf_model_dims(cfg.model)
     if dims is None:
+        where = f" ({cfg.model.hf_path}/config.json does not exist)" if cfg.model.hf_path else ""
         raise ConfigError("model: the planner needs the model's shapes: model.hf_config, or a "
-                          "readable model.hf_path/config.json")
+                          f"readable model.hf_path/config.json{where}")
     return make_plan(HFModel.from_dict(dims), PlanInputs.from_config(cfg, capacity)), source
 
 
@@ -38,9 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         plan, source = plan_for_config(cfg)
-    except (ConfigError, GpuSelectionError, UnsupportedModelError) as e:
-        print(e, file=sys.stderr)
-        return 2
+    except (*BAD_INPUT, GpuSelectionError) as e:
+        return report(e)
     except PlanError as e:
         if e.plan is not None:
             print(e.plan.table())

@@ -307,7 +307,10 @@ def dry_run(cfg: C.Config) -> list[str]:
     c, p = cfg.cluster, cfg.parallel
     world = C.actor_gpus(cfg)
     unit = "GPU" if c.device == "gpu" else "process"
-    lines = [f"cluster: {c.nnodes} node(s) x {c.n_gpus_per_node} {unit}(s), device {c.device}",
+    model = cfg.model.hf_path or "embedded hf_config (random init)"
+    if cfg.model.hf_path and not os.path.isdir(cfg.model.hf_path):
+        model += " (not on this machine; needed at run time)"
+    lines = [f"model: {model}", f"cluster: {c.nnodes} node(s) x {c.n_gpus_per_node} {unit}(s), device {c.device}",
              f"trainer: {world} Megatron ranks on {unit}s 0..{world - 1}: TP={p.tp} PP={p.pp} EP={p.ep} "
              f"ETP={p.etp} DP={world // (p.tp * p.pp)}, {cfg.model.dtype}"]
     if cfg.rollout.engine == "embedded":
@@ -334,14 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="validate and print the placement and memory plan")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     a = p.parse_args(argv)
+    from mcore_rl.cli_errors import BAD_INPUT, report
+
     try:
         cfg = C.load_config(a.config, a.overrides)
-        if a.dry_run:
+        if a.dry_run:  # plans for the cluster it names: its model files need not be on this machine
             print("\n".join(dry_run(cfg)))
             return 0
-    except C.ConfigError as e:
-        print(f"config error: {e}")
-        return 2
+        C.require_model_dirs(cfg)
+    except BAD_INPUT as e:
+        return report(e)
     t0 = time.perf_counter()
     m = train(cfg)
     print(f"done in {time.perf_counter() - t0:.0f}s: " + json.dumps({k: round(v, 4) for k, v in m.items()

@@ -155,13 +155,64 @@ def test_fp8_checkpoint_with_mtp_layer_imports(v3, tmp_path, caplog):
     assert "quantization_config" not in json.loads((back / "config.json").read_text())
 
 
+def _as(v3, dst, kind: str):
+    """The tiny model re-saved as a checkpoint of `kind`: fp32 (as made); bf16 (the expert bias
+    fp32, as transformers saves it); mixed (bf16 matrices, fp32 norms and bias); mixed_no_dtype
+    (the same, and its config names no dtype)."""
+    d = _copy(v3, dst)
+    t = load_file(str(d / "model.safetensors"))
+    keep32 = {"fp32": lambda k: True, "bf16": lambda k: "e_score_correction_bias" in k}.get(
+        kind, lambda k: "norm" in k or "e_score_correction_bias" in k)
+    t = {k: v if keep32(k) else v.to(torch.bfloat16) for k, v in t.items()}
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["dtype"] = "float32" if kind == "fp32" else "bfloat16"
+    if kind == "mixed_no_dtype":
+        del cfg["dtype"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d, t
+
+
+@pytest.mark.parametrize("kind,model_dtype", [("fp32", "float32"), ("bf16", "bfloat16"),
+                                              ("mixed", "bfloat16"), ("mixed_no_dtype", "bfloat16")])
+def test_round_trip_keeps_every_dtype_by_default(v3, tmp_path, kind, model_dtype):
+    src, tensors = _as(v3, tmp_path / "hf", kind)
+    ck, back = tmp_path / "ck", tmp_path / "back"
+    convert.hf_to_mcore(str(src), str(ck))
+    assert convert.read_meta(str(ck))["dtype"] == model_dtype  # the config's, else most elements'
+    convert.mcore_to_hf(str(ck), str(back))
+    got = load_file(str(back / "model-00001-of-00001.safetensors"))
+    assert got.keys() == tensors.keys()
+    changed = [k for k in tensors if got[k].dtype != tensors[k].dtype or not torch.equal(got[k], tensors[k])]
+    assert not changed, changed[:5]
+    assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_dtype_casts_on_purpose_and_the_config_says_so(v3, tmp_path):
+    src, tensors = _as(v3, tmp_path / "hf", "fp32")
+    ck, back, back16 = tmp_path / "ck", tmp_path / "back", tmp_path / "back16"
+    convert.hf_to_mcore(str(src), str(ck), dtype="bf16")
+    convert.mcore_to_hf(str(ck), str(back))
+    got = load_file(str(back / "model-00001-of-00001.safetensors"))
+    bias = [k for k in tensors if "e_score_correction_bias" in k]
+    assert bias and all(got[k].dtype == torch.float32 and torch.equal(got[k], tensors[k]) for k in bias)
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], tensors[k].to(torch.bfloat16))
+               for k in tensors if k not in bias)
+    assert json.loads((back / "config.json").read_text())["dtype"] == "bfloat16"
+    convert.hf_to_mcore(str(src), str(tmp_path / "ck32"))  # fp32 kept, then cast on export
+    convert.mcore_to_hf(str(tmp_path / "ck32"), str(back16), dtype="bf16")
+    assert load_file(str(back16 / "model-00001-of-00001.safetensors")).keys() == got.keys()
+    assert all(torch.equal(v, got[k]) and v.dtype == got[k].dtype
+               for k, v in load_file(str(back16 / "model-00001-of-00001.safetensors")).items())
+    assert json.loads((back16 / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_cli_round_trip(v3, tmp_path):
     env = dict(os.environ, MCORE_RL_NO_PROGRESS="1")
     ck, back = tmp_path / "ck", tmp_path / "back"
     run = lambda *a: subprocess.run([sys.executable, "-m", "converters", *a], env=env,  # noqa: E731
                                     capture_output=True, text=True, timeout=300)
-    r = run("hf-to-mcore", "--hf", str(v3), "--out", str(ck), "--tp", "2", "--ep", "2",
-            "--dtype", "fp32")
+    r = run("hf-to-mcore", "--hf", str(v3), "--out", str(ck), "--tp", "2", "--ep", "2")  # fp32 kept
     assert r.returncode == 0, r.stderr
     r = run("mcore-to-hf", "--ckpt", str(ck), "--out", str(back))
     assert r.returncode == 0, r.stderr

@@ -1,7 +1,9 @@
 """Logit parity: transformers' HF models vs megatron-core models loaded through the converter.
 
 Layouts run in real gloo process groups: TP=1 here, TP=2 / EP=2 / PP=2 (even and uneven) in two
-processes, and TP=2 x PP=2 x EP=2 in four, which also saves with megatron's own saver.
+processes, and TP=2 x PP=2 x EP=2 in four, which also saves with megatron's own saver. Group-limited
+routing configs on which megatron-core's own group ranking differs from DeepSeek's
+(tests/tiny_models.ROUTING_VARIANTS) run at TP=1, EP=2 and PP=2.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from safetensors.torch import load_file
 
 from converters import convert
 from tests import distributed
-from tests.tiny_models import FAMILIES, make_hf_model
+from tests.tiny_models import FAMILIES, ROUTING_VARIANTS, make_hf_model
 
 TOL = 1e-4
 MOE = ("deepseek_v3", "deepseek_v2")
+ROUTING = tuple(ROUTING_VARIANTS)
+ALL = (*FAMILIES, *ROUTING)
 
 
 class L(NamedTuple):
@@ -34,9 +38,9 @@ class L(NamedTuple):
 
 LAYOUTS = {
     "tp2": L(2, 1, 1, None, tuple(FAMILIES)),
-    "ep2": L(1, 1, 2, None, MOE),
+    "ep2": L(1, 1, 2, None, MOE + ROUTING),
     "tp2_etp2": L(2, 1, 1, None, MOE, etp=2),  # experts split over TP too (expert tensor parallel)
-    "pp2": L(1, 2, 1, None, tuple(FAMILIES)),
+    "pp2": L(1, 2, 1, None, tuple(ALL)),
     "pp2_uneven": L(1, 2, 1, 1, ("deepseek_v3",)),
 }
 
@@ -52,7 +56,7 @@ def _hf_tensors(d):
 def zoo(tmp_path_factory):
     root = tmp_path_factory.mktemp("zoo")
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
-    for fam in FAMILIES:
+    for fam in ALL:
         d = root / fam
         model = make_hf_model(fam, str(d / "hf"))
         with torch.no_grad():
@@ -135,7 +139,7 @@ def layout_results(resharded, tmp_path_factory):
     return merged
 
 
-@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("fam", list(ALL))
 def test_tp1_parity(zoo, fam):
     import torch.distributed as dist
 

@@ -28,12 +28,25 @@ FAMILIES = {
                                   num_key_value_heads=2, tie_word_embeddings=True)),
 }
 
+# group-limited routing where megatron-core's own group ranking (top k/topk_group sums) is not
+# DeepSeek's: V3 ranks by top-2 sums (here megatron would take top-1), V2's group_limited_greedy by
+# the group's best score (here megatron would take top-2 sums), and V2's greedy ignores the groups
+ROUTING_VARIANTS = {
+    "deepseek_v3_groups": ("DeepseekV3Config", dict(
+        FAMILIES["deepseek_v3"][1], n_routed_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3)),
+    "deepseek_v2_groups": ("DeepseekV2Config", dict(
+        FAMILIES["deepseek_v2"][1], n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4,
+        topk_method="group_limited_greedy")),
+    "deepseek_v2_greedy_groups": ("DeepseekV2Config", dict(
+        FAMILIES["deepseek_v2"][1], n_routed_experts=8, n_group=4, topk_group=1, num_experts_per_tok=2)),
+}
+
 
 def make_hf_model(family: str, out_dir: str, seed: int = 0):
     """Save a random fp32 model of `family` to `out_dir`; return the model (eval mode)."""
     import transformers
 
-    cls_name, kwargs = FAMILIES[family]
+    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS}[family]
     cfg = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()

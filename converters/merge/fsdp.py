@@ -23,6 +23,7 @@ from converters.merge.hf_layout import HFSaveRules
 from converters.merge.locate import check_dirs, find_side_dir
 from converters.merge.lora import TRAIN_META, base_name, is_lora
 from converters.merge.torch_files import TorchFile, local_tensor
+from mcore_rl.cli_errors import read_json_object
 
 log = logging.getLogger("converters.merge")
 RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -49,8 +50,9 @@ def discover(dirs: list[str], manifest: str | None = None) -> tuple[int, dict[in
     found: dict[int, list[str]] = {}
     worlds: dict[int, list[str]] = {}
     if manifest:
-        with open(manifest) as f:
-            listed = json.load(f)["ranks"]
+        listed = read_json_object(manifest).get("ranks")
+        if not isinstance(listed, dict):
+            raise CheckpointError(f'{manifest}: needs "ranks": {{"0": "path", ...}}')
         base = os.path.dirname(os.path.abspath(manifest))
         paths = [os.path.join(base, p) for p in listed.values()]
         for r, p in zip(listed, paths):

@@ -85,10 +85,14 @@ def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_pr
 
     fast_moe=False keeps megatron's per-expert loop and scatter-add permutation (for comparisons).
     """
+    compat.quiet_fallback_warnings()  # before the imports below pull in megatron's model modules
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    compat.apply()
+    applied = compat.apply()
+    if getattr(config, "moe_router_group_score_topk", None) and "deepseek_group_routing" not in applied:
+        raise UnsupportedModelError(f"group-limited routing needs compat's deepseek_group_routing patch, "
+                                    f"not written for megatron-core {compat.megatron_version()}")
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:

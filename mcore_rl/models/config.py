@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.cli_errors import BadInput, hf_config
+
 SUPPORTED = ("deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(BadInput):
     pass
 
 
@@ -26,8 +26,7 @@ class HFModel:
 
     @classmethod
     def from_dir(cls, path: str) -> "HFModel":
-        with open(os.path.join(path, "config.json")) as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(hf_config(path))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "HFModel":
@@ -161,7 +160,12 @@ def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
         common.update(_gqa_config(m))
         cls = TransformerConfig
     common.update(overrides)
-    return cls(**common)
+    config = cls(**common)
+    groups = group_routing(m) if moe else None
+    if groups and config.moe_router_num_groups:
+        # not a megatron field: read by compat's deepseek_group_routing patch while routing
+        config.moe_router_group_score_topk = groups[2]
+    return config
 
 
 def _gqa_config(m: HFModel) -> dict[str, Any]:
@@ -202,28 +206,52 @@ def _mla_config(m: HFModel) -> dict[str, Any]:
     return out
 
 
-def _moe_config(m: HFModel) -> dict[str, Any]:
+def group_routing(m: HFModel) -> tuple[int, int, int] | None:
+    """(n_group, topk_group, n): each token picks its top-k experts within the topk_group of the
+    n_group expert groups whose top-n scores sum highest, as DeepSeek routes; None: no group limit.
+
+    DeepSeek-V3 ranks a group by its top-2 scores (with the expert bias), DeepSeek-V2's
+    group_limited_greedy by its best one; V2's greedy ignores the groups. megatron-core ranks by
+    the top k / topk_group: mcore_rl.compat's deepseek_group_routing patch makes it take n.
+    """
     E, k = m.num_experts, m.num_experts_per_tok
     n_group, topk_group = m.get("n_group") or 1, m.get("topk_group") or 1
-    sigmoid = m.get("scoring_func", "softmax") == "sigmoid" or m.model_type == "deepseek_v3"
-    if sigmoid:
-        # megatron ranks groups by the sum of the top (k / topk_group) scores; V3 uses the top 2
-        if n_group > 1 and k // topk_group != 2:
-            raise UnsupportedModelError(
-                f"group-limited routing with top-{k} over {topk_group} groups ranks groups by top-"
-                f"{k // topk_group} sums in megatron-core but by top-2 in DeepSeek-V3")
+    if m.model_type == "deepseek_v3":
+        n = 2
+    elif m.get("topk_method", "greedy") == "group_limited_greedy":
+        n = 1
+    else:
+        return None
+    if n_group == 1:
+        return None  # one group, always chosen: no limit
+    problems = []
+    if E % n_group:
+        problems.append(f"n_group={n_group} does not divide n_routed_experts={E}")
+    elif E // n_group < n:
+        problems.append(f"groups of {E // n_group} expert(s) cannot be ranked by their top-{n} scores")
+    if not 1 <= topk_group <= n_group:
+        problems.append(f"topk_group={topk_group} must be within 1..n_group={n_group}")
+    elif topk_group * (E // n_group) < k:
+        problems.append(f"top-{k} cannot be chosen from {topk_group} group(s) of {E // n_group} experts")
+    if problems:
+        raise UnsupportedModelError("group-limited routing: " + "; ".join(problems))
+    return n_group, topk_group, n
+
+
+def _moe_config(m: HFModel) -> dict[str, Any]:
+    E, k = m.num_experts, m.num_experts_per_tok
+    if m.model_type == "deepseek_v3":  # sigmoid scores, expert bias (transformers ignores scoring_func)
         if not m.get("norm_topk_prob", True) and k > 1:
             raise UnsupportedModelError("sigmoid routing with norm_topk_prob=False is not supported")
         routing = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                        moe_router_pre_softmax=False)
     else:
-        method = m.get("topk_method", "greedy")
-        if method == "group_limited_greedy" and n_group > 1 and k // topk_group != 1:
-            raise UnsupportedModelError(
-                "group_limited_greedy ranks groups by their max score; megatron-core ranks by "
-                f"top-{k // topk_group} sums")
+        if m.get("scoring_func", "softmax") != "softmax":
+            raise UnsupportedModelError(f"{m.model_type} routes with softmax scores; scoring_func="
+                                        f"{m.get('scoring_func')!r} is not supported")
         pre_softmax = not m.get("norm_topk_prob", False)
         routing = dict(moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)
+    groups = group_routing(m)
     scaling = float(m.get("routed_scaling_factor", 1.0) or 1.0)
     freq = [1 if m.is_moe_layer(i) else 0 for i in range(m.num_layers)]
     shared = m.get("n_shared_experts") or 0
@@ -233,8 +261,8 @@ def _moe_config(m: HFModel) -> dict[str, Any]:
         moe_ffn_hidden_size=m.moe_intermediate_size,
         moe_shared_expert_intermediate_size=(shared * m.moe_intermediate_size) or None,
         moe_layer_freq=freq,
-        moe_router_num_groups=n_group if n_group > 1 else None,
-        moe_router_group_topk=topk_group if n_group > 1 else None,
+        moe_router_num_groups=groups[0] if groups else None,
+        moe_router_group_topk=groups[1] if groups else None,
         moe_router_topk_scaling_factor=scaling if scaling != 1.0 else None,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="none",
@@ -245,7 +273,7 @@ def _moe_config(m: HFModel) -> dict[str, Any]:
     )
 
 
-class LayoutError(ValueError):
+class LayoutError(BadInput):
     pass
 
 

@@ -1,0 +1,100 @@
+"""Bad input at the command line: one line on stderr naming what is wrong (and the path), exit
+code 2, no traceback.
+
+Every entry point (train, plan, config, converters and their merge) reads its inputs inside
+
+    try:
+        ...
+    except BAD_INPUT as e:
+        return report(e)
+
+before it writes anything, so a refused input leaves nothing behind. Exceptions that mean "the
+user's input is wrong" derive from `BadInput`; the readers below turn a missing, unreadable or
+malformed file into one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+EXIT_BAD_INPUT = 2
+
+
+class BadInput(ValueError):
+    """A file, directory or setting given by the user is wrong; the message names it."""
+
+
+# file-system errors outside our readers (a shard that cannot be opened, ...) are bad input too
+BAD_INPUT = (BadInput, OSError)
+
+
+def message(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    if isinstance(e, KeyError) and e.args:  # str() would quote it
+        return str(e.args[0])
+    return str(e) or type(e).__name__
+
+
+def report(e: BaseException, prog: str | None = None) -> int:
+    """Print `e` as one error line (no traceback) and return the exit code for bad input."""
+    print(f"{prog + ': ' if prog else ''}error: {message(e)}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _read_text(path: str, what: str) -> str:
+    if os.path.isdir(path):
+        raise BadInput(f"{path}: is a directory, not a {what} file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{path}: not a {what} file (not UTF-8 text)") from None
+    except OSError as e:
+        raise BadInput(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def read_yaml_mapping(path: str) -> dict:
+    """The mapping at the top of a YAML file (an empty file is an empty mapping)."""
+    import yaml
+
+    text = _read_text(path, "YAML")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise BadInput(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise BadInput(f"{path}: a YAML mapping (key: value lines) is needed, found a {type(data).__name__}")
+    return data
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object in a file."""
+    text = _read_text(path, "JSON")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise BadInput(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{path}: a JSON object is needed, found a {type(data).__name__}")
+    return data
+
+
+def hf_config(model_dir: str) -> dict:
+    """config.json of an HF model directory."""
+    if not os.path.isdir(model_dir):
+        kind = "not a directory" if os.path.exists(model_dir) else "no such directory"
+        raise BadInput(f"{model_dir}: {kind} (an HF model directory with a config.json is needed)")
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise BadInput(f"{model_dir}: no config.json (not an HF model directory)")
+    return read_json_object(path)
