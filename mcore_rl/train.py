@@ -306,17 +306,17 @@ def dry_run(cfg: C.Config) -> list[str]:
 
     c, p = cfg.cluster, cfg.parallel
     world = C.actor_gpus(cfg)
-    unit = "GPU" if c.device == "gpu" else "process"
+    units = "GPUs" if c.device == "gpu" else "processes"  # on CPU a gloo process stands in for a GPU
     model = cfg.model.hf_path or "embedded hf_config (random init)"
     if cfg.model.hf_path and not os.path.isdir(cfg.model.hf_path):
         model += " (not on this machine; needed at run time)"
-    lines = [f"model: {model}", f"cluster: {c.nnodes} node(s) x {c.n_gpus_per_node} {unit}(s), device {c.device}",
-             f"trainer: {world} Megatron ranks on {unit}s 0..{world - 1}: TP={p.tp} PP={p.pp} EP={p.ep} "
+    lines = [f"model: {model}", f"cluster: {c.nnodes} node(s) x {c.n_gpus_per_node} {units}, device {c.device}",
+             f"trainer: {world} Megatron ranks on {units} 0..{world - 1}: TP={p.tp} PP={p.pp} EP={p.ep} "
              f"ETP={p.etp} DP={world // (p.tp * p.pp)}, {cfg.model.dtype}"]
     if cfg.rollout.engine == "embedded":
         lines.append("rollout: embedded engine on the trainer's own shards (no sync)")
     else:
-        lines += plan_placement(cfg).describe()
+        lines += plan_placement(cfg).describe(units)
         lines.append(f"weight sync: {transport_for(cfg)}, verified by read-back after the first sync"
                      + (f" and every {cfg.rollout.verify_sync_every} steps" if cfg.rollout.verify_sync_every else ""))
     if c.device == "gpu":
@@ -338,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     a = p.parse_args(argv)
     from mcore_rl.cli_errors import BAD_INPUT, report
+    from mcore_rl.compat import quiet_fallback_warnings
 
+    quiet_fallback_warnings()  # the driver imports megatron too (plans, sync layout)
     try:
         cfg = C.load_config(a.config, a.overrides)
         if a.dry_run:  # plans for the cluster it names: its model files need not be on this machine

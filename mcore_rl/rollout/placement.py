@@ -38,15 +38,16 @@ class RolloutPlacement:
     def nnodes(self) -> int:
         return len(self.engines[0]) if self.engines else 0
 
-    def describe(self) -> list[str]:
+    def describe(self, units: str = "GPUs") -> list[str]:
         per = self.gpus_per_node
-        where = lambda gpus: ", ".join(f"node {g // per} gpu {g % per}" for g in gpus)  # noqa: E731
         lines = [f"rollout engines: {len(self.engines)} x SGLang TP={self.tp_size} EP={self.ep_size} over "
-                 f"{self.nnodes} node(s) each ({'colocated with the trainer' if self.colocate else 'own GPUs'})"]
+                 f"{self.nnodes} node(s) each ({'colocated with the trainer' if self.colocate else 'own ' + units})"]
         for nodes in self.engines:
             for n in nodes:
+                local = [g % per for g in n.gpus]
                 lines.append(f"  engine {n.engine} node_rank {n.node_rank}/{len(nodes)}: tp ranks "
-                             f"{n.node_rank * len(n.gpus)}..{(n.node_rank + 1) * len(n.gpus) - 1} on {where(n.gpus)}")
+                             f"{n.node_rank * len(n.gpus)}-{(n.node_rank + 1) * len(n.gpus) - 1} on node "
+                             f"{n.host(per)} {units} {local[0]}-{local[-1]}")
         return lines
 
 
