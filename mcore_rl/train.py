@@ -234,16 +234,19 @@ def train(cfg: C.Config) -> dict:
 
         engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
                               train_task.tokenizer.pad_token_id or 0)
+        first = {}
         if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
-            print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in sync(start).items()}), flush=True)
+            first = sync(start)
+            print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in first.items()}), flush=True)
         phases = Phases(cfg, group, engine, sync)
-        return _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state)
+        return _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state, first)
     finally:
         if engine is not None:
             engine.shutdown()
 
 
-def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state) -> dict:
+def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state,
+          first_sync: dict) -> dict:
     from mcore_rl.metrics import MetricsLogger
     from mcore_rl.ppo import kl_controller
 
@@ -253,8 +256,11 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, 
     B = cfg.data.train_batch_size
     per_epoch = len(train_task.prompts) // B
     total = t.total_training_steps or t.total_epochs * per_epoch
+    before = dict(first_sync)  # logged at the step the run starts from
     if t.val_before_train and start == 0 and val_task:
-        logger.log(validate(cfg, engine, val_task), step=0)
+        before.update(validate(cfg, engine, val_task))
+    if before:
+        logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
     for step in range(start + 1, total + 1):
         order = torch.randperm(len(train_task.prompts),

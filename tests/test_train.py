@@ -1,5 +1,6 @@
-"""The main job end to end: GRPO over Ray with 2 Megatron actor processes (EP=2) learns the
-embedded task, writes metrics, plots and checkpoints, and resumes after SIGKILL."""
+"""The main job end to end: GRPO over Ray with 2 Megatron actor processes (EP=2) and SGLang's real
+engine doing the rollout learns the embedded task, writes metrics, plots and checkpoints, and
+resumes after SIGKILL; the embedded engine still learns it too."""
 
 from __future__ import annotations
 
@@ -27,20 +28,40 @@ def _records(out):
         return [json.loads(line) for line in f]
 
 
-def test_tiny_grpo_learns(tmp_path):
+def _reward_rises(out):
+    rec = [r for r in _records(out) if "reward/mean" in r]
+    first = sum(r["reward/mean"] for r in rec[:3]) / 3
+    last = sum(r["reward/mean"] for r in rec[-3:]) / 3
+    assert first < 0.3 and last > 0.7, f"reward did not rise: first {first:.2f}, last {last:.2f}"
+    return rec
+
+
+def test_tiny_grpo_learns_with_sglang(tmp_path):
     out = str(tmp_path / "run")
     t0 = time.time()
     p = _train(out)
     log, _ = p.communicate(timeout=900)
     assert p.returncode == 0, log[-3000:]
     assert time.time() - t0 < 900
-    rec = [r for r in _records(out) if "reward/mean" in r]
-    first = sum(r["reward/mean"] for r in rec[:3]) / 3
-    last = sum(r["reward/mean"] for r in rec[-3:]) / 3
-    assert first < 0.3 and last > 0.7, f"reward did not rise: first {first:.2f}, last {last:.2f}"
+    rec = _reward_rises(out)
+    assert len(rec) == 30
+    # after every sync SGLang's log-probs of its own samples equal the trainer's (same weights, fp32)
+    diffs = [r["rollout/logp_diff_abs_mean"] for r in rec]
+    assert max(diffs) < 1e-3, diffs
+    assert all(r["sync/bytes"] > 0 and r["timing/release_rollout"] >= 0 for r in rec)
+    first_sync = [r for r in _records(out) if r["step"] == 0 and "sync/verified" in r]
+    assert first_sync and first_sync[0]["sync/verified"] == 1.0  # read back from both engines
     assert os.path.exists(os.path.join(out, "checkpoints", "step_30", "trainer_state.json"))
     assert os.listdir(os.path.join(out, "plots")), "no plots written"
     assert os.listdir(os.path.join(out, "tensorboard"))
+
+
+def test_tiny_grpo_learns_with_the_embedded_engine(tmp_path):
+    out = str(tmp_path / "run")
+    p = _train(out, "rollout.engine=embedded", "trainer.save_freq=-1", "trainer.test_freq=-1")
+    log, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, log[-3000:]
+    _reward_rises(out)
 
 
 def test_sigkill_resumes_from_last_complete_checkpoint(tmp_path):

@@ -50,9 +50,11 @@ class WeightSync:
         actors.call("setup_sync", spec)
         self.kind, self.syncs = kind, 0
 
-    def __call__(self, step: int | None = None) -> dict:
-        """Sync every weight into every engine; verify by read-back when due. Returns metrics."""
-        verify = self.syncs == 0 or (self.verify_every > 0 and step is not None and step % self.verify_every == 0)
+    def __call__(self, step: int | None = None, verify: bool | None = None) -> dict:
+        """Sync every weight into every engine; read back and compare when `verify`, by default
+        after the first sync and every rollout.verify_sync_every steps. Returns metrics."""
+        if verify is None:
+            verify = self.syncs == 0 or (self.verify_every > 0 and step is not None and step % self.verify_every == 0)
         results = self.actors.call("sync_weights", verify)
         self.syncs += 1
         out = {"sync/seconds": max(r["seconds"] for r in results), "sync/bytes": sum(r["bytes"] for r in results)}
