@@ -326,6 +326,7 @@ def dry_run(cfg: C.Config) -> list[str]:
         lines.append(f"weight sync: {transport_for(cfg)}, verified by read-back after the first sync"
                      + (f" and every {cfg.rollout.verify_sync_every} steps" if cfg.rollout.verify_sync_every else ""))
     if c.device == "gpu":
+        from mcore_rl.memory.gpus import GpuSelectionError
         from mcore_rl.memory.planner import PlanError
         from mcore_rl.plan import plan_for_config
 
@@ -334,6 +335,8 @@ def dry_run(cfg: C.Config) -> list[str]:
             lines += ["memory plan per GPU (capacity from " + source + "):", *plan.table().splitlines()]
         except PlanError as e:
             lines += [*(e.plan.table().splitlines() if e.plan else []), f"memory plan REFUSED: {e}"]
+        except GpuSelectionError as e:
+            lines.append(f"memory plan: not made here ({e})")
     return lines
 
 

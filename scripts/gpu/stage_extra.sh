@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Stage what the lent GPU machines lack beside SGLang (../shared/tools/sglang-gpu carries that):
+# megatron-core and Ray for Python 3.12, split into pieces that fit one device call each.
+#
+#   bash scripts/gpu/stage_extra.sh        # here, in the project root: writes .gpu-extra/e1, e2
+#
+# On the device, after the SGLang chunks: carry e1 in one call and e2 in the next (any order),
+# each running `bash .gpu-extra/eK/install.sh`; the second one to arrive installs both wheels
+# into /tmp/sglang-site (the same PYTHONPATH entry as SGLang's).
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+stage=${GPU_EXTRA_STAGE:-$HOME/.cache/mcore-rl-gpu-extra}
+out="$root/.gpu-extra"
+mkdir -p "$stage"
+grep -qx '/.gpu-extra/' "$root/.git/info/exclude" 2>/dev/null || echo '/.gpu-extra/' >> "$root/.git/info/exclude"
+python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 -d "$stage" \
+  megatron-core==0.16.1 ray==2.60.0 mmh3==5.2.0
+rm -rf "$out" && mkdir -p "$out/e1" "$out/e2"
+ray=$(ls "$stage"/ray-2.60.0-*.whl)
+split -b 40m -d "$ray" "$out/e1/ray.part"          # ray.part00, ray.part01
+mv "$out/e1/ray.part01" "$out/e2/"
+echo "$(basename "$ray")" | tee "$out/e1/RAY" > "$out/e2/RAY"
+cp "$stage"/megatron_core-0.16.1-*.whl "$stage"/mmh3-*.whl "$out/e2/"
+for d in e1 e2; do cp "$root/scripts/gpu/install_extra.sh" "$out/$d/install.sh"; done
+du -sh "$out"/*
