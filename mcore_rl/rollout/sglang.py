@@ -156,6 +156,21 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
     return env
 
 
+# our name -> the names SGLang releases have used for it (0.5.17-0.5.20: per-phase CUDA-graph sizes)
+ARG_ALIASES = {"cuda_graph_max_bs": ("cuda_graph_max_bs_decode",)}
+
+
+def adapt_args(args: dict, known: set[str]) -> dict:
+    """`args` in the names this SGLang's ServerArgs knows; an argument it knows under no name is an error."""
+    out = {}
+    for k, v in args.items():
+        name = k if k in known else next((a for a in ARG_ALIASES.get(k, ()) if a in known), None)
+        if name is None:
+            raise EngineError(f"this SGLang has no engine argument {k!r} (nor {ARG_ALIASES.get(k, ())})")
+        out[name] = v
+    return out
+
+
 def sampling_dict(r: Request) -> dict:
     p = r.params
     out = {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
@@ -194,9 +209,13 @@ class SGLangServer:
         self.node_rank = engine_args.get("node_rank", 0)
         if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+        import inspect
+
         import sglang
+        from sglang.srt.server_args import ServerArgs  # a dataclass before 0.5.20, a msgspec struct after
 
         self.version = sglang.__version__
+        engine_args = adapt_args(engine_args, set(inspect.signature(ServerArgs).parameters))
         t0 = time.perf_counter()
         self.engine = sglang.Engine(**engine_args)
         self.start_seconds = time.perf_counter() - t0
