@@ -368,7 +368,8 @@ class MegatronActor:
         return parts
 
     def save(self, step_dir: str):
-        """Models (torch_dist, any layout can load them) and this rank's optimizer states."""
+        """Models (torch_dist, any layout can load them) and this rank's optimizer states (on the
+        device: the loop saves between the update and the trainer's offload)."""
         from mcore_rl.checkpoint import save_model
 
         os.makedirs(os.path.join(step_dir, "optim"), exist_ok=True)
@@ -388,3 +389,4 @@ class MegatronActor:
             if os.path.exists(path):  # absent when starting from a converted HF model
                 optim.load_state(opt, torch.load(path, weights_only=True))
         dist.barrier()
+

@@ -124,6 +124,8 @@ class _Trainer:
 
 def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, prompt_idx: list[int], step: int,
             kl_ctrl=None) -> dict:
+    """Rollout -> rewards -> advantages -> log-probs -> updates; ends with the trainer holding the
+    GPUs (the caller checkpoints, then hands them back with `phases.to_rollout`)."""
     from mcore_rl import ppo
 
     t0, times = time.perf_counter(), {}
@@ -150,10 +152,7 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
         metrics.update(_mean(timed("update_critic", "update_critic", batch)))
     metrics.update(_mean(timed("update_actor", "update", batch)))
-    t = time.perf_counter()
-    metrics.update(phases.to_rollout(step))  # the engine gets the updated weights for the next step
-    times["timing/to_rollout"] = time.perf_counter() - t
-    times["timing/step"] = time.perf_counter() - t0
+    times["timing/step"] = time.perf_counter() - t0  # the sync that follows is timed on its own
     mask = batch["response_mask"]
     metrics.update({"reward/mean": score.mean().item(), "response/length": mask.sum(1).mean().item(),
                     "perf/tokens_per_s": mask.sum().item() / times["timing/step"],
@@ -267,11 +266,16 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, 
                                generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
         k = (step - 1) % per_epoch
         metrics = rl_step(cfg, group, engine, phases, train_task, order[k * B:(k + 1) * B].tolist(), step, kl_ctrl)
-        if val_task and (t.test_freq > 0 and step % t.test_freq == 0 or step == total):
-            metrics.update(validate(cfg, engine, val_task))
-        logger.log(metrics, step=step)
-        if t.save_freq > 0 and step % t.save_freq == 0 or step == total:
+        logger.log(metrics, step=step)  # before the checkpoint: a resumed run never lacks a saved step
+        if t.save_freq > 0 and step % t.save_freq == 0 or step == total:  # while the trainer holds the GPUs
             save_checkpoint(group, ckpt_root, step, hf_dir, {"kl_coef": kl_ctrl.value} if kl_ctrl else {})
+        t0 = time.perf_counter()
+        after = phases.to_rollout(step)  # the engine gets the updated weights for the next step
+        after["timing/to_rollout"] = time.perf_counter() - t0
+        if val_task and (t.test_freq > 0 and step % t.test_freq == 0 or step == total):
+            after.update(validate(cfg, engine, val_task))
+        logger.log(after, step=step)
+        metrics.update(after)
     logger.close()
     from mcore_rl.plot import plot_run
 

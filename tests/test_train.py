@@ -28,6 +28,14 @@ def _records(out):
         return [json.loads(line) for line in f]
 
 
+def by_step(out) -> dict[int, dict]:
+    """All metrics of a step in one dict (a step logs its update, then its sync and validation)."""
+    merged: dict[int, dict] = {}
+    for r in _records(out):
+        merged.setdefault(r["step"], {}).update(r)
+    return merged
+
+
 def _reward_rises(out):
     rec = [r for r in _records(out) if "reward/mean" in r]
     first = sum(r["reward/mean"] for r in rec[:3]) / 3
@@ -43,14 +51,13 @@ def test_tiny_grpo_learns_with_sglang(tmp_path):
     log, _ = p.communicate(timeout=900)
     assert p.returncode == 0, log[-3000:]
     assert time.time() - t0 < 900
-    rec = _reward_rises(out)
-    assert len(rec) == 30
+    assert len(_reward_rises(out)) == 30
+    steps = by_step(out)
     # after every sync SGLang's log-probs of its own samples equal the trainer's (same weights, fp32)
-    diffs = [r["rollout/logp_diff_abs_mean"] for r in rec]
+    diffs = [steps[k]["rollout/logp_diff_abs_mean"] for k in range(1, 31)]
     assert max(diffs) < 1e-3, diffs
-    assert all(r["sync/bytes"] > 0 and r["timing/release_rollout"] >= 0 for r in rec)
-    first_sync = [r for r in _records(out) if r["step"] == 0 and "sync/verified" in r]
-    assert first_sync and first_sync[0]["sync/verified"] == 1.0  # read back from both engines
+    assert all(steps[k]["sync/bytes"] > 0 and steps[k]["timing/release_rollout"] >= 0 for k in range(1, 31))
+    assert steps[0]["sync/verified"] == 1.0  # the first sync, read back from both engines
     assert os.path.exists(os.path.join(out, "checkpoints", "step_30", "trainer_state.json"))
     assert os.listdir(os.path.join(out, "plots")), "no plots written"
     assert os.listdir(os.path.join(out, "tensorboard"))

@@ -10,7 +10,6 @@ gloo stand-in for NCCL into engines on their own "GPUs", and disk) run whole GRP
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import torch
 
 from mcore_rl import config as C
 from mcore_rl.sync.checksum import WeightMismatch
+from tests.test_train import by_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,7 +130,7 @@ def test_other_transports_run_verified_grpo_steps(tmp_path, overrides):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rec = [r for r in map(json.loads, f) if "reward/mean" in r]
-    assert [r["step"] for r in rec] == [1, 2, 3]
-    assert all(r["sync/verified"] == 1.0 and r["rollout/logp_diff_abs_mean"] < 1e-3 for r in rec), rec
+    steps = by_step(out)
+    assert sorted(steps) == [0, 1, 2, 3]
+    assert all(steps[k]["sync/verified"] == 1.0 and steps[k]["rollout/logp_diff_abs_mean"] < 1e-3
+               for k in (1, 2, 3)), steps
