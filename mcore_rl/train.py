@@ -98,9 +98,11 @@ class Phases:
             trainer = _Trainer(group)
             self.colo = Colocation(engine, trainer, sync, offload_train_states=cfg.memory.offload_train_states)
 
-    def to_train(self) -> None:
-        if self.colo is not None:
-            self.colo.to_train()
+    def to_train(self) -> dict:
+        if self.colo is None:
+            return {}
+        self.colo.to_train()
+        return _gpu_used("train")
 
     def to_rollout(self, step: int) -> dict:
         if self.sync is None:
@@ -108,7 +110,19 @@ class Phases:
         out = self.colo.to_rollout(step=step) if self.colo else self.sync(step)
         if self.colo:
             out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
+            out.update(_gpu_used("rollout"))
         return out
+
+
+def _gpu_used(phase: str) -> dict:
+    """The most any GPU of this node has in use as a phase starts (NVML; nothing without GPUs)."""
+    from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus
+
+    try:
+        used = [g.used for g in all_gpus()]
+    except NvmlUnavailable:
+        return {}
+    return {f"memory/gpu_used_gib_{phase}": max(used) / 2**30} if used else {}
 
 
 class _Trainer:
@@ -141,14 +155,14 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
     times["timing/rollout"] = time.perf_counter() - t0
     score = ppo.scores(source, idx, batch)
     t = time.perf_counter()
-    phases.to_train()
+    memory = phases.to_train()
     times["timing/to_train"] = time.perf_counter() - t
     batch["old_log_probs"] = torch.cat(timed("old_log_prob", "log_probs", batch))
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
     if cfg.critic.enabled:
         batch["values"] = torch.cat(timed("values", "values", batch))
-    metrics = ppo.advantages(cfg, batch, score, idx, kl_ctrl)
+    metrics = {**memory, **ppo.advantages(cfg, batch, score, idx, kl_ctrl)}
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
         metrics.update(_mean(timed("update_critic", "update_critic", batch)))
     metrics.update(_mean(timed("update_actor", "update", batch)))
