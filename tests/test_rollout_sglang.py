@@ -63,15 +63,12 @@ def start(ray, model_dir: str, engines: int = 1, tp: int = 1, **rollout):
 
     pg = placement_group([{"CPU": 1}] * engines)
     ray.get(pg.ready())
-    slots = [EngineSlot(k, 0, k, None) for k in range(engines)]
-    group = start_sglang(_cfg(tp_size=tp, **rollout), model_dir, slots, pg, EngineLayout(tp, 1, 1, tp), 0)
-    group.pg = pg
-    return group
+    slots = [EngineSlot(k, 0, pg, k, None, owns_pg=True) for k in range(engines)]
+    return start_sglang(_cfg(tp_size=tp, **rollout), model_dir, slots, EngineLayout(tp, 1, 1, tp), 0)
 
 
 def stop(ray, group):
     group.shutdown()
-    ray.util.remove_placement_group(group.pg)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +183,6 @@ def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):
         assert not long.is_alive() and errors and "SGLang engine 0 node 0" in errors[0], errors
     finally:
         group.shutdown()
-        ray_cluster.util.remove_placement_group(group.pg)
     time.sleep(2)
     left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"engine processes outlived shutdown: {[p.pid for p in left]}"

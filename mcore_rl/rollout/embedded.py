@@ -59,7 +59,8 @@ _MIX = [(30, _signed(0xBF58476D1CE4E5B9)), (27, _signed(0x94D049BB133111EB)), (3
 def uniform_noise(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
     """U(0,1) [B, vocab] from a counter-based hash of (seed, step, token): no generator state."""
     idx = torch.arange(vocab, dtype=torch.long, device=seeds.device)
-    x = (seeds[:, None] * _signed(0x9E3779B97F4A7C15) + step * _signed(0xD1B54A32D192ED03)
+    step_t = torch.tensor(step, dtype=torch.long, device=seeds.device)  # int64 arithmetic wraps; Python's would not
+    x = (seeds[:, None] * _signed(0x9E3779B97F4A7C15) + step_t * _signed(0xD1B54A32D192ED03)
          + idx[None, :] * _signed(0xABC98388FB8FAC03))
     for shift, mul in _MIX:  # logical shifts on int64: mask off the sign bits arithmetic shift copies
         x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mul

@@ -11,7 +11,10 @@ the driver naming the engine, its node and what it was doing, never a silent han
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -86,9 +89,11 @@ class EngineSlot:
 
     engine: int
     node_rank: int
+    pg: object  # the placement group (the trainer's when colocated, the engine's own otherwise)
     bundle: int
     gpus: str | None  # CUDA_VISIBLE_DEVICES for the engine's processes (physical ids); None: Ray's
     gpu_uuids: tuple[str, ...] = ()  # in SGLang's order on that node
+    owns_pg: bool = False  # the group was made for the engine: removed with it
 
 
 class EngineGroup:
@@ -97,7 +102,7 @@ class EngineGroup:
     owns_weights = True
 
     def __init__(self, server_cls, slots: list[EngineSlot], args_of: Callable[[EngineSlot], dict], *,
-                 pg, device: str, tp_size: int, timeout_s: float, start_timeout_s: float, gpu_share: float,
+                 device: str, tp_size: int, timeout_s: float, start_timeout_s: float, gpu_share: float,
                  label: str, env: dict | None = None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -108,7 +113,7 @@ class EngineGroup:
         self.actors = []
         for s in slots:
             opts = dict(num_cpus=0, num_gpus=gpu_share if device == "gpu" else 0, max_restarts=0,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=s.pg,
                                                                              placement_group_bundle_index=s.bundle))
             self.actors.append(remote.options(**opts).remote(args_of(s), device, s.gpus, env))
         self.names = [f"{label} engine {s.engine} node {s.node_rank}" for s in slots]
@@ -142,8 +147,13 @@ class EngineGroup:
         return EngineTarget(self.heads, self.tp_size, self.timeout_s, self.head_names)
 
     def weight_digests(self) -> dict[int, dict[int, dict]]:
-        """{engine: {tp rank: {parameter: digest}}}, from every node of every engine."""
-        got = _wait([a.weight_digests.remote() for a in self.actors], "weight read-back", self.names, self.timeout_s)
+        """{engine: {tp rank: {parameter: digest}}}: node 0 of each engine has all its ranks write
+        theirs, then every node reads those of its own ranks (their files are on its machine)."""
+        path = os.path.join(tempfile.gettempdir(), "mcore_rl_digests", uuid.uuid4().hex, "w")
+        _wait([a.write_weight_digests.remote(path) for a in self.heads], "weight read-back", self.head_names,
+              self.timeout_s)
+        got = _wait([a.read_weight_digests.remote(path) for a in self.actors], "weight read-back", self.names,
+                    self.timeout_s)
         out: dict[int, dict[int, dict]] = {}
         for s, ranks in zip(self.slots, got):
             out.setdefault(s.engine, {}).update({int(r): d for r, d in ranks.items()})
@@ -171,3 +181,5 @@ class EngineGroup:
         for a in self.actors:
             self.ray.kill(a, no_restart=True)
         self.actors, self.heads = [], []
+        for pg in {id(s.pg): s.pg for s in self.slots if s.owns_pg}.values():  # engines' own groups
+            self.ray.util.remove_placement_group(pg)

@@ -30,16 +30,16 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
     from mcore_rl.rollout import sglang as S
 
     placement = plan_placement(cfg)
+    _check_cpu_tp(cfg)
     where = actors.call("where")
     model_dir = S.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids, cfg.cluster.device)
     layout = EngineLayout(cfg.rollout.tp_size, cfg.rollout.ep_size, placement.nnodes,
                           cfg.rollout.tp_size // placement.nnodes)
     if placement.colocate:
-        slots, pg = _colocated_slots(placement, where, cfg.cluster.device), actors.pg
+        slots = _colocated_slots(placement, where, cfg.cluster.device, actors.pg)
     else:
-        slots, pg = own_slots(placement, cfg.cluster.device)
-    engines = start_sglang(cfg, model_dir, slots, pg, layout,
-                           ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node)
+        slots = own_slots(placement, cfg.cluster.device)
+    engines = start_sglang(cfg, model_dir, slots, layout, ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node)
     try:
         feed = _feeds(placement, slots, where, layout) if placement.colocate else None
         sync = WeightSync(cfg, actors, engines, layout, feed, where, run_dir, model_dir)
@@ -49,23 +49,39 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
     return engines, sync
 
 
-def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], pg, layout: EngineLayout,
+CPU_MOE_PAD = 32  # SGLang's CPU engine pads MLP widths to a multiple of this times tp (update_config.py)
+
+
+def _check_cpu_tp(cfg: C.Config) -> None:
+    """SGLang's CPU engine with tp > 1 pads MLP widths to multiples of 32 * tp, so its ranks no longer
+    hold even slices; the read-back would report every MLP as stale. Refuse such configs up front."""
+    tp, dims = cfg.rollout.tp_size, C.hf_model_dims(cfg.model) or {}
+    if cfg.cluster.device != "cpu" or tp == 1:
+        return
+    bad = [f"{k}={dims[k]}" for k in ("intermediate_size", "moe_intermediate_size")
+           if dims.get(k) and dims[k] % (CPU_MOE_PAD * tp)]
+    if bad:
+        raise C.ConfigError(f"rollout.tp_size={tp} on CPU: SGLang pads {', '.join(bad)} to multiples of "
+                            f"{CPU_MOE_PAD * tp}; use model widths that are multiples already")
+
+
+def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: EngineLayout,
                  gpu_share: float) -> EngineGroup:
-    """SGLang engines on `slots` of placement group `pg` (multi-node engines meet at a port free on
-    their node 0), each started from `model_dir` (see `sglang.engine_model_dir`)."""
+    """SGLang engines on `slots` (multi-node engines meet at a port free on their node 0), each
+    started from `model_dir` (see `sglang.engine_model_dir`)."""
     from mcore_rl.rollout import sglang as S
 
     mem_fraction = _mem_fraction(cfg)
-    addrs = {s.engine: "%s:%d" % rendezvous_on(pg, s.bundle) for s in slots
+    addrs = {s.engine: "%s:%d" % rendezvous_on(s.pg, s.bundle) for s in slots
              if s.node_rank == 0 and layout.nnodes > 1}
     return EngineGroup(S.SGLangServer, slots,
                        lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction),
-                       pg=pg, device=cfg.cluster.device, tp_size=layout.tp_size, timeout_s=cfg.rollout.timeout_s,
+                       device=cfg.cluster.device, tp_size=layout.tp_size, timeout_s=cfg.rollout.timeout_s,
                        start_timeout_s=cfg.rollout.start_timeout_s, gpu_share=gpu_share, label="SGLang",
                        env=S.engine_env(cfg, layout))
 
 
-def _colocated_slots(placement, where: list[dict], device: str) -> list[EngineSlot]:
+def _colocated_slots(placement, where: list[dict], device: str, pg) -> list[EngineSlot]:
     slots = []
     for nodes in placement.engines:
         for n in nodes:
@@ -75,23 +91,28 @@ def _colocated_slots(placement, where: list[dict], device: str) -> list[EngineSl
                 raise PlanError(f"engine {n.engine} node_rank {n.node_rank} needs trainer ranks {ranks} on one "
                                 f"node, but Ray placed them on {len(hosts)} nodes")
             gpus = ",".join(g for r in ranks for g in where[r]["gpu_ids"]) if device == "gpu" else None
-            slots.append(EngineSlot(n.engine, n.node_rank, ranks[0], gpus, tuple(where[r]["uuid"] for r in ranks)))
+            slots.append(EngineSlot(n.engine, n.node_rank, pg, ranks[0], gpus, tuple(where[r]["uuid"] for r in ranks)))
     return slots
 
 
-def own_slots(placement, device: str):
+def own_slots(placement, device: str) -> list[EngineSlot]:
+    """A placement group per engine, one bundle per engine node; the nodes of one engine on
+    distinct machines (STRICT_SPREAD), as SGLang's nnodes means."""
     import ray
     from ray.util.placement_group import placement_group
 
-    nodes = [n for engine in placement.engines for n in engine]
-    bundle = (lambda n: {"CPU": 1}) if device == "cpu" else (lambda n: {"GPU": len(n.gpus), "CPU": 1})
-    pg = placement_group([bundle(n) for n in nodes], strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=120)
-    except ray.exceptions.GetTimeoutError:
-        raise EngineError(f"Ray could not reserve the rollout's {len(nodes)} bundle(s) "
-                          f"({bundle(nodes[0])} each) within 120 s: too few free GPUs/CPUs?") from None
-    return [EngineSlot(n.engine, n.node_rank, i, None) for i, n in enumerate(nodes)], pg
+    slots = []
+    for nodes in placement.engines:
+        bundles = [{"CPU": 1} if device == "cpu" else {"GPU": len(n.gpus), "CPU": 1} for n in nodes]
+        pg = placement_group(bundles, strategy="STRICT_SPREAD" if len(nodes) > 1 else "PACK")
+        try:
+            ray.get(pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise EngineError(f"Ray could not reserve engine {nodes[0].engine}'s {len(nodes)} node(s) "
+                              f"({bundles[0]} each) within 120 s: too few free GPUs/CPUs or nodes?") from None
+        slots += [EngineSlot(n.engine, n.node_rank, pg, i, None, owns_pg=True) for i, n in enumerate(nodes)]
+    return slots
 
 
 def _feeds(placement, slots, where: list[dict], layout: EngineLayout) -> dict[int, tuple[int, int]]:

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -149,10 +148,9 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
     if cfg.cluster.device != "cpu":
         return env
     env["TORCHDYNAMO_DISABLE"] = "1"  # SGLang's MoE top-k otherwise compiles for 14-25 s on CPU
-    per_node = layout.tp_size // layout.nnodes
-    if per_node > 1:  # one OpenMP core set per scheduler (SGLang refuses more ranks than NUMA nodes)
+    if layout.tp_size > 1:  # a core per rank: SGLang refuses more ranks (on all nodes) than NUMA nodes otherwise
         cores = os.cpu_count() or 1
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(per_node))
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(layout.tp_size))
     return env
 
 
@@ -207,6 +205,8 @@ class SGLangServer:
             os.environ.update(sglang_cpu.child_env(os.environ))
             sglang_cpu.install()
         self.node_rank = engine_args.get("node_rank", 0)
+        per = engine_args.get("tp_size", 1) // engine_args.get("nnodes", 1)
+        self.tp_ranks = range(self.node_rank * per, (self.node_rank + 1) * per)  # SGLang's, on this node
         if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         import inspect
@@ -219,7 +219,6 @@ class SGLangServer:
         t0 = time.perf_counter()
         self.engine = sglang.Engine(**engine_args)
         self.start_seconds = time.perf_counter() - t0
-        self.digest_dir = tempfile.mkdtemp(prefix="mcore_rl_digests_")
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
@@ -253,8 +252,13 @@ class SGLangServer:
 
     @staticmethod
     def _serialize(bucket: dict) -> bytes:
+        """CPU tensors by shared-memory file name: a scheduler on another "node" of this host is no
+        child of this process, so it cannot fetch a file descriptor from it (torch's default)."""
+        import torch.multiprocessing
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        torch.multiprocessing.set_sharing_strategy("file_system")
 
         return MultiprocessingSerializer.serialize({
             "flattened_tensor": bucket["flattened_tensor"],
@@ -273,16 +277,19 @@ class SGLangServer:
     def update_weights_from_disk(self, model_path: str):
         _ok(self.engine.update_weights_from_disk(model_path), "update_weights_from_disk")
 
-    def weight_digests(self) -> dict[int, dict]:
-        """{tp rank: {SGLang parameter name: [dtype, shape, bytes, sum, weighted sum]}} of this node's ranks."""
-        for old in glob.glob(os.path.join(self.digest_dir, "w*")):
-            os.remove(old)
-        path = os.path.join(self.digest_dir, "w")
+    def write_weight_digests(self, path: str) -> None:
+        """Node 0: every rank of the engine, on every node, writes its parameters' digests to
+        `path.tp{rank}.json` on its own machine (SGLang's collective_rpc reaches all schedulers)."""
         self.engine.collective_rpc("mcore_rl_weight_digests", path=path)
+
+    def read_weight_digests(self, path: str) -> dict[int, dict]:
+        """{tp rank: {SGLang parameter name: [dtype, shape, bytes, sum, weighted sum]}} of this
+        node's ranks, as `write_weight_digests` left them; the files are removed."""
         out = {}
-        for f in glob.glob(path + ".tp*.json"):
-            with open(f) as fh:
-                out[int(f.rsplit(".tp", 1)[1].removesuffix(".json"))] = json.load(fh)
+        for r in self.tp_ranks:
+            with open(f"{path}.tp{r}.json") as f:
+                out[r] = json.load(f)
+            os.remove(f"{path}.tp{r}.json")
         return out
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -316,4 +323,3 @@ class SGLangServer:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-        shutil.rmtree(self.digest_dir, ignore_errors=True)

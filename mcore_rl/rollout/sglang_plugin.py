@@ -30,6 +30,7 @@ def _scheduler_weight_digests(self, path: str) -> None:
     model = self.tp_worker.model_runner.model
     tp_rank = self.ps.tp_rank if hasattr(self, "ps") else self.tp_rank  # 0.5.17+: a parallel-state view
     out = f"{path}.tp{tp_rank}.json"
+    os.makedirs(os.path.dirname(out), exist_ok=True)  # on this rank's machine (nodes of one engine differ)
     with open(out + ".tmp", "w") as f:
         json.dump(weight_digests(model), f)
     os.replace(out + ".tmp", out)

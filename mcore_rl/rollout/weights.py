@@ -66,8 +66,8 @@ class WeightSync:
     def verify(self, expected: dict[int, dict[int, dict]]) -> None:
         actual = self.engines.weight_digests()
         problems = []
-        for k, name in enumerate(self.engines.head_names):
-            problems += compare_engine(expected.get(k, {}), actual.get(k, {}), name)
+        for k in range(self.engines.engines):
+            problems += compare_engine(expected.get(k, {}), actual.get(k, {}), f"{self.engines.label} engine {k}")
         if problems:
             more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
             raise WeightMismatch("weight sync read-back failed:\n  " + "\n  ".join(problems[:8]) + more)

@@ -112,8 +112,7 @@ def place(name: str, t: torch.Tensor, layout: EngineLayout, tp_rank: int, hf) ->
         return [Piece(target, ((e - experts.start) * len(rule.parts) + rule.part) * src.numel(), src)]
     if rule.split == "vocab":
         per = padded_vocab(t.shape[0], tp) // tp
-        src = t[tp_rank * per:(tp_rank + 1) * per].contiguous()
-        return [Piece(target, 0, src)] if src.numel() else []
+        return [Piece(target, 0, t[tp_rank * per:(tp_rank + 1) * per].contiguous())]  # may be all padding
     if rule.split == "kv_head":
         return [_qkv_piece(name, target, t, rule, tp, tp_rank, hf)]
     src = t if rule.split == "rep" else t.chunk(tp, dim=0 if rule.split == "row" else 1)[tp_rank]
