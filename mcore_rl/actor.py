@@ -17,6 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from mcore_rl import batching as mb
 from mcore_rl import compat, optim, pipeline
@@ -32,7 +33,6 @@ def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, 
     Only the positions that predict response tokens are normalised over the vocabulary. fused: the
     same numbers through mcore_rl.head (no fp32 [rows, V] copies kept for backward).
     """
-    valid = packed.valid
     rows, target = logits[packed.response_rows], packed.response_targets
     if fused:
         from mcore_rl.head import logprob_entropy
@@ -42,10 +42,8 @@ def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, 
         logp_all = F.log_softmax(rows.float() / temperature, dim=-1)
         logp_sel = logp_all.gather(-1, target[:, None]).squeeze(-1)
         ent_sel = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    logp = torch.zeros(valid.shape, dtype=torch.float32, device=rows.device).masked_scatter(valid, logp_sel)
-    if not with_entropy:
-        return logp, None
-    return logp, torch.zeros(valid.shape, dtype=torch.float32, device=rows.device).masked_scatter(valid, ent_sel)
+    logp = packed.scatter_responses(logp_sel)
+    return logp, packed.scatter_responses(ent_sel) if with_entropy else None
 
 
 class MegatronActor:
@@ -255,8 +253,9 @@ class MegatronActor:
         R = d["response_mask"].shape[1]
         out = torch.zeros(len(d["tokens"]), R)
         temperature = self.cfg["rollout"]["temperature"]
-        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), self._sizes("critic" if values else "actor"))
-        packs = self._packs(d, R, plan)
+        with record_function("actor/pack"):
+            plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), self._sizes("critic" if values else "actor"))
+            packs = self._packs(d, R, plan)
 
         def per_token(y, k):
             if values:
@@ -336,12 +335,13 @@ class MegatronActor:
                    dp_size=self.ps.get_data_parallel_world_size())
         local_tokens = max(float(mask.sum()), 1.0)
         optim.zero_grad(model, opt)
-        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), sizes)
-        packs = self._packs(d, mask.shape[1], plan)
-        # everything the losses read goes to the device before the schedule starts, and the stats
-        # stay there until it ends: no host sync between micro-batches
-        micros = [{key: v[rows].to(self.device) for key, v in d.items()} for rows, _ in plan]
-        shares = [float(mask[rows].sum()) / local_tokens for rows, _ in plan]  # of this rank's tokens
+        with record_function("actor/pack"):
+            plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), sizes)
+            packs = self._packs(d, mask.shape[1], plan)
+            # everything the losses read goes to the device before the schedule starts, and the
+            # stats stay there until it ends: no host sync between micro-batches
+            micros = [{key: v[rows].to(self.device) for key, v in d.items()} for rows, _ in plan]
+            shares = [float(mask[rows].sum()) / local_tokens for rows, _ in plan]  # of this rank's tokens
 
         def loss_and_stats(out, k):
             loss, loss_stats, mean_stats = loss_fn(out, packs[k], micros[k], agg)

@@ -63,10 +63,11 @@ class Packed:
     target: torch.Tensor  # [mb, R] the response token ids
     valid: torch.Tensor  # [mb, R] bool
     last: torch.Tensor  # [mb] packed position of each sample's last token (generation)
-    # predictor[valid] and target[valid], selected on the host (on the device the boolean
-    # selection would wait for the GPU to learn its size)
+    # predictor[valid], target[valid] and where the valid entries sit in [mb * R], selected on the
+    # host (on the device a boolean selection, or masked_scatter's backward, waits for the GPU)
     response_rows: torch.Tensor  # [n]
     response_targets: torch.Tensor  # [n]
+    response_index: torch.Tensor  # [n]
 
     def to(self, device) -> "Packed":
         return Packed(**{f: (v.to(device) if isinstance(v, torch.Tensor) else v)
@@ -88,8 +89,13 @@ class Packed:
     def filler(self) -> torch.Tensor:
         """[1, T] True on the filler segment (megatron's padding_mask: MoE routers leave these
         tokens out of the load counts that drive the expert-bias update)."""
-        real = self.cu_seqlens[self.valid.shape[0]]  # where the samples' segments end
+        real = self.bounds[self.valid.shape[0]]  # where the samples' segments end
         return (torch.arange(self.length, device=self.input_ids.device) >= real)[None]
+
+    def scatter_responses(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-response-token values [n] -> [mb, R] (0 where not valid)."""
+        flat = values.new_zeros(self.valid.numel()).index_put((self.response_index,), values)
+        return flat.view(self.valid.shape)
 
     def at_responses(self, out: torch.Tensor) -> torch.Tensor:
         """Per-position outputs [T, ...] -> [mb, R, ...] at the response tokens (0 where not valid)."""
@@ -127,4 +133,5 @@ def pack(tokens: torch.Tensor, attention_mask: torch.Tensor, response_len: int, 
                   position_ids=torch.cat([torch.arange(n) for n in lens])[None],
                   cu_seqlens=torch.tensor(starts, dtype=torch.int32), bounds=tuple(starts), max_seqlen=max(lens),
                   predictor=pred, target=tokens[rows, L - R:], valid=valid, last=last,
-                  response_rows=pred[valid], response_targets=tokens[rows, L - R:][valid])
+                  response_rows=pred[valid], response_targets=tokens[rows, L - R:][valid],
+                  response_index=valid.flatten().nonzero().squeeze(1))

@@ -11,6 +11,7 @@ Runs on CPU/gloo (with mcore_rl.compat) and on GPU/NCCL alike.
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 
 def wrap(model, tcfg, section: dict, grad_fp32: bool = True, *, fused_adam: bool = False,
@@ -69,8 +70,10 @@ def step(ddp, opt) -> tuple[bool, float]:
     """Finish the grad reductions and step; returns (stepped, grad norm before clipping)."""
     from megatron.core.distributed import finalize_model_grads
 
-    finalize_model_grads([ddp])
-    ok, grad_norm, _ = opt.step()
+    with record_function("optim/finalize_grads"):
+        finalize_model_grads([ddp])
+    with record_function("optim/step"):
+        ok, grad_norm, _ = opt.step()
     return bool(ok), float(grad_norm or 0.0)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.profiler import record_function
 
 from mcore_rl.batching import Packed
 
@@ -57,12 +58,14 @@ def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather:
 
     def step(data, model):
         k, packed = next(data)
-        out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params(),
-                    padding_mask=packed.filler)
+        with record_function("model/forward"):  # named ranges: benchmarks/profile_breakdown.py
+            out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params(),
+                        padding_mask=packed.filler)
 
         def on_output(out, non_loss_data=False):  # last stage only
-            out = gather_from_tensor_model_parallel_region(out) if tp_gather else out
-            return on_last_stage(out[0], k)
+            with record_function("model/loss"):
+                out = gather_from_tensor_model_parallel_region(out) if tp_gather else out
+                return on_last_stage(out[0], k)
 
         return out, on_output
 

@@ -36,7 +36,7 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                temporaries (mcore_rl.head.CHUNK_BYTES).
                The optimizer step runs after backward has freed the activations; torch's
                multi-tensor AdamW allocates one fp32 temporary per moment element (4 B each, none
-               with actor.fused_adam): the larger of the two peaks counts.
+               with actor.fused_adam or the offloading optimizer): the larger of the two peaks counts.
 Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
   weights    = the rank's tensors in SGLang's layout (`layout.engine_tensors`): vocab-split
                embeddings/lm_head, replicated q_a/kv_a, experts E/ep per rank split over moe_tp,
@@ -216,11 +216,19 @@ def trainer_bytes(hf: HFModel, i: PlanInputs, stage: int) -> dict[str, int]:
     n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
     elements = _optimizer_elements(hf, i, n)
     moments = round(8 * elements * (1 - i.optimizer_offload_fraction))
-    step_temporaries = 0 if i.fused_adam else 4 * elements  # multi-tensor AdamW's sqrt(v) copy
     return {"megatron weights": (n["dense"] + n["expert"]) * b + n["buffer"] * 4,
             "megatron grads": (n["dense"] + n["expert"]) * (4 if i.grad_fp32 else b),
             "megatron optimizer": (4 if b != 4 else 0) * elements + moments,
-            "megatron activations": max(activation_bytes(hf, i, stage), step_temporaries)}
+            "megatron activations": max(activation_bytes(hf, i, stage), step_temporary_bytes(hf, i, stage))}
+
+
+def step_temporary_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
+    """What the optimizer step allocates on top of the states: multi-tensor AdamW's sqrt(v) copy
+    (the fused kernel, also the hybrid offload optimizer's, allocates none)."""
+    if i.fused_adam or i.optimizer_offload_fraction > 0:
+        return 0
+    n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
+    return 4 * _optimizer_elements(hf, i, n)
 
 
 def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
