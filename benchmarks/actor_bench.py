@@ -118,6 +118,7 @@ class MemoryProbe:
         out = self.real(model, opt)
         if torch.cuda.is_available():
             self.during = max(self.during, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()  # the next forward/backward starts clean
         return out
 
     def reset(self):
@@ -228,8 +229,8 @@ def one_run(rank: int, args, name: str, port: int, hf_dir: str, probe: MemoryPro
         res["profile"] = _profiled_update(actor, batch, rank, path, sync)
         if rank == 0 and not args.trace:
             os.remove(path)
-    actor._micro_plan = real_plan
-    del actor
+    del actor._micro_plan, actor, real_plan  # the next run measures its own memory
+    gc.collect()  # megatron's DDP hooks hold the model in reference cycles
     if gpu:
         torch.cuda.empty_cache()
     return res
