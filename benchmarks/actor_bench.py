@@ -16,7 +16,7 @@ prediction (mcore_rl.memory.planner) for the same layout and the largest micro-b
 packed; with --profile, a torch.profiler breakdown of one more update (benchmarks/profile_breakdown.py).
 Prints tables and writes JSON (--out); --trace keeps the chrome traces beside it.
 
-    python benchmarks/actor_bench.py --gpus 2 --layers 8 --checks --profile --out actor.json  # 2 GPUs, EP 2
+    python benchmarks/actor_bench.py --gpus 2 --layers 8 --micro-batches 6 --steps 2 --checks --profile --out a.json
     python benchmarks/actor_bench.py --gpus 1 --layers 4 --budget 8192 --out actor1.json      # 1 GPU
     python benchmarks/actor_bench.py --cpu --tiny --gpus 2 --runs baseline,optimized --out a.json  # CPU, gloo
 """
