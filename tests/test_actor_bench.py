@@ -9,6 +9,7 @@ import json
 import pytest
 
 from benchmarks import actor_bench, profile_breakdown
+from tests import distributed
 
 TINY = ["--cpu", "--tiny", "--gpus", "2", "--prompt", "2", "8", "--response", "1", "6", "--budget", "24",
         "--micro-batches", "3", "--steps", "1"]
@@ -78,3 +79,23 @@ def test_breakdown_of_a_known_trace():
     assert b["host_syncs"]["cudaStreamSynchronize"]["count"] == 1 and b["host_sync_calls"] == 1
     assert b["host_reads"]["aten::_local_scalar_dense"] == 1
     assert "NCCL reduce-scatter" in profile_breakdown.table(b)
+
+
+def test_gpu_attention_check_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_checks.py's comparison (fp32 reference, per-sequence SDPA, varlen) at tiny
+    size on CPU, where the varlen class falls back to per-sequence SDPA: equal to it, the check passes."""
+    distributed.run(_attention_check_cpu, 1, str(tmp_path))
+    res = json.loads((tmp_path / "check.json").read_text())
+    assert res["ok"] and res["varlen_grads"] == res["sdpa_grads"] > 10
+    assert res["varlen_logits_err"] == res["sdpa_logits_err"] < 2e-2
+
+
+def _attention_check_cpu(rank, out):
+    from benchmarks import gpu_checks
+    from benchmarks.shapes import hf_config
+    from mcore_rl.parallel import Layout, init_distributed
+
+    init_distributed(Layout())
+    res = gpu_checks.attention_check(hf_config("tiny_cpu.yaml"), lengths=(7, 3, 5), device="cpu")
+    with open(f"{out}/check.json", "w") as f:
+        json.dump(res, f)
