@@ -17,27 +17,33 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from mcore_rl import batching as mb
 from mcore_rl import compat, optim, pipeline
+from mcore_rl.config import recompute_choice
 
 compat.quiet_fallback_warnings()  # before megatron is imported: rank 0 names what is missing once
 
 
-def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, with_entropy: bool = False):
+def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, with_entropy: bool = False,
+                   fused: bool = False):
     """Log-probs [mb, R] of the response tokens (and their entropies) from packed logits [T, V].
 
-    Only the positions that predict response tokens are normalised over the vocabulary.
+    Only the positions that predict response tokens are normalised over the vocabulary. fused: the
+    same numbers through mcore_rl.head (no fp32 [rows, V] copies kept for backward).
     """
-    valid = packed.valid
-    sel = logits[packed.predictor[valid]].float() / temperature
-    logp_all = F.log_softmax(sel, dim=-1)
-    logp = torch.zeros(valid.shape, dtype=logp_all.dtype, device=sel.device)
-    logp = logp.masked_scatter(valid, logp_all.gather(-1, packed.target[valid][:, None]).squeeze(-1))
-    if not with_entropy:
-        return logp, None
-    ent = torch.zeros(valid.shape, dtype=logp_all.dtype, device=sel.device)
-    return logp, ent.masked_scatter(valid, -(logp_all.exp() * logp_all).sum(-1))
+    rows, target = logits[packed.response_rows], packed.response_targets
+    if fused:
+        from mcore_rl.head import logprob_entropy
+
+        logp_sel, ent_sel = logprob_entropy(rows, target, temperature, with_entropy)
+    else:
+        logp_all = F.log_softmax(rows.float() / temperature, dim=-1)
+        logp_sel = logp_all.gather(-1, target[:, None]).squeeze(-1)
+        ent_sel = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    logp = packed.scatter_responses(logp_sel)
+    return logp, packed.scatter_responses(ent_sel) if with_entropy else None
 
 
 class MegatronActor:
@@ -66,9 +72,11 @@ class MegatronActor:
         self.hf_dir = hf_dir
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["model"]["dtype"]]
         bias = {"moe_router_bias_update_rate": cfg["actor"]["router_bias_update_rate"]} if self.hf.num_experts else {}
+        mode, layers, modules = recompute_choice(cfg["memory"])
         tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"], dtype=dtype,
-                                  recompute=cfg["memory"]["recompute_activations"], **bias)
-        self.model = build_model(self.hf, tcfg)
+                                  recompute=mode, recompute_layers=layers, recompute_modules=modules, **bias)
+        attention = cfg["actor"]["packed_attention"]
+        self.model = build_model(self.hf, tcfg, attention=attention)
         # batches arrive and results leave on the host; the model's device does the work
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -79,7 +87,7 @@ class MegatronActor:
         a, alg = cfg["actor"], cfg["algorithm"]
         self.ref, self.ref_offload = None, None
         if a["use_kl_loss"] or alg["use_kl_in_reward"]:  # a frozen copy of the initial policy
-            self.ref = build_model(self.hf, tcfg).eval().requires_grad_(False)
+            self.ref = build_model(self.hf, tcfg, attention=attention).eval().requires_grad_(False)
             self.ref.load_state_dict(self.model.state_dict())
             if cfg["memory"]["offload_ref"] and self.device.type == "cuda":
                 from mcore_rl.memory.offload import StateOffloader
@@ -89,8 +97,22 @@ class MegatronActor:
         self.critic = None
         if cfg["critic"]["enabled"]:
             self._build_critic(cfg, tcfg, init.get("critic"))
-        self.model, self.opt = optim.wrap(self.model, tcfg, a, cfg["memory"]["grad_fp32"])
+        self.model, self.opt = optim.wrap(self.model, tcfg, a, **self._optim_options())
         self.updates = 0
+
+    def _optim_options(self) -> dict:
+        """optim.wrap's switches from the actor and memory sections; null ones follow the device."""
+        a, m = self.cfg["actor"], self.cfg["memory"]
+        gpu = self.device.type == "cuda"
+        on = lambda v: gpu if v is None else v  # noqa: E731
+        return dict(grad_fp32=m["grad_fp32"], fused_adam=on(a["fused_adam"]),
+                    overlap_grad_reduce=on(a["overlap_grad_reduce"]), bucket_size=a["grad_bucket_size"],
+                    offload_fraction=m["optimizer_offload_fraction"])
+
+    @property
+    def _fused_logprobs(self) -> bool:
+        v = self.cfg["actor"]["fused_logprobs"]
+        return self.device.type == "cuda" if v is None else v
 
     def _build_critic(self, cfg, tcfg, init_ckpt):
         from mcore_rl import critic
@@ -107,7 +129,7 @@ class MegatronActor:
             critic.load_trunk(model, init_ckpt)
         else:
             critic.copy_trunk(self.model, model)
-        self.critic, self.critic_opt = optim.wrap(model, tcfg, c, cfg["memory"]["grad_fp32"])
+        self.critic, self.critic_opt = optim.wrap(model, tcfg, c, **self._optim_options())
 
     # ---- lockstep helpers -----------------------------------------------------------------------
     def _dp_slice(self, n: int) -> slice:
@@ -231,11 +253,14 @@ class MegatronActor:
         R = d["response_mask"].shape[1]
         out = torch.zeros(len(d["tokens"]), R)
         temperature = self.cfg["rollout"]["temperature"]
-        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), self._sizes("critic" if values else "actor"))
-        packs = self._packs(d, R, plan)
+        with record_function("actor/pack"):
+            plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), self._sizes("critic" if values else "actor"))
+            packs = self._packs(d, R, plan)
 
         def per_token(y, k):
-            return packs[k].at_responses(y[:, 0].float()) if values else token_logprobs(y, packs[k], temperature)[0]
+            if values:
+                return packs[k].at_responses(y[:, 0].float())
+            return token_logprobs(y, packs[k], temperature, fused=self._fused_logprobs)[0]
 
         for (rows, _), got in zip(plan, pipeline.forward(model, packs, per_token, tp_gather=not values)):
             if rows:
@@ -310,22 +335,26 @@ class MegatronActor:
                    dp_size=self.ps.get_data_parallel_world_size())
         local_tokens = max(float(mask.sum()), 1.0)
         optim.zero_grad(model, opt)
-        plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), sizes)
-        packs = self._packs(d, mask.shape[1], plan)
+        with record_function("actor/pack"):
+            plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), sizes)
+            packs = self._packs(d, mask.shape[1], plan)
+            # everything the losses read goes to the device before the schedule starts, and the
+            # stats stay there until it ends: no host sync between micro-batches
+            micros = [{key: v[rows].to(self.device) for key, v in d.items()} for rows, _ in plan]
+            shares = [float(mask[rows].sum()) / local_tokens for rows, _ in plan]  # of this rank's tokens
 
         def loss_and_stats(out, k):
-            micro = {key: v[plan[k][0]].to(self.device) for key, v in d.items()}
-            loss, loss_stats, mean_stats = loss_fn(out, packs[k], micro, agg)
-            share = float(micro["response_mask"].sum()) / local_tokens  # of this rank's tokens
-            return loss, {**{s: float(v) for s, v in loss_stats.items()},
-                          **{s: share * float(v) for s, v in mean_stats.items()}}
+            loss, loss_stats, mean_stats = loss_fn(out, packs[k], micros[k], agg)
+            return loss, {**{s: torch.as_tensor(v).detach().double() for s, v in loss_stats.items()},
+                          **{s: shares[k] * torch.as_tensor(v).detach().double() for s, v in mean_stats.items()}}
 
-        totals: dict[str, float] = {}
+        totals: dict[str, torch.Tensor] = {}
         for stats in pipeline.forward_backward(model, packs, loss_and_stats, tp_gather=model is not self.critic):
             for key, v in stats.items():
                 totals[key] = totals.get(key, 0.0) + v
         _, gnorm = optim.step(model, opt)  # DP/expert-DP/TP-SP/PP-embedding grad reductions, clipping, step
-        return {**totals, "actor/grad_norm": gnorm}
+        values = torch.stack([v.to(self.device) for v in totals.values()]).tolist() if totals else []
+        return {**dict(zip(totals, values)), "actor/grad_norm": gnorm}
 
     def _policy_loss(self, logits, packed, d, agg):
         from mcore_rl.algos.losses import agg_loss, kl_loss, policy_loss
@@ -333,7 +362,8 @@ class MegatronActor:
 
         a = self.cfg["actor"]
         mode = a["loss_agg_mode"]
-        logp, ent = token_logprobs(logits, packed, self.cfg["rollout"]["temperature"], with_entropy=True)
+        logp, ent = token_logprobs(logits, packed, self.cfg["rollout"]["temperature"], with_entropy=True,
+                                   fused=self._fused_logprobs)
         mask = d["response_mask"]
         tis = dict(rollout_log_prob=d["rollout_log_probs"], tis_imp_ratio_cap=a["tis_imp_ratio_cap"]) \
             if a["tis_imp_ratio_cap"] and "rollout_log_probs" in d else {}

@@ -57,11 +57,17 @@ class Packed:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     cu_seqlens: torch.Tensor  # [segments + 1] int32
+    bounds: tuple[int, ...]  # cu_seqlens on the host: attention splits by it without a device read
     max_seqlen: int
     predictor: torch.Tensor  # [mb, R] packed position whose output predicts each response token
     target: torch.Tensor  # [mb, R] the response token ids
     valid: torch.Tensor  # [mb, R] bool
     last: torch.Tensor  # [mb] packed position of each sample's last token (generation)
+    # predictor[valid], target[valid] and where the valid entries sit in [mb * R], selected on the
+    # host (on the device a boolean selection, or masked_scatter's backward, waits for the GPU)
+    response_rows: torch.Tensor  # [n]
+    response_targets: torch.Tensor  # [n]
+    response_index: torch.Tensor  # [n]
 
     def to(self, device) -> "Packed":
         return Packed(**{f: (v.to(device) if isinstance(v, torch.Tensor) else v)
@@ -74,15 +80,22 @@ class Packed:
     def seq_params(self):
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                                 max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        params.seq_bounds = self.bounds  # read by mcore_rl.models.layers.SDPACoreAttention
+        return params
 
     @property
     def filler(self) -> torch.Tensor:
         """[1, T] True on the filler segment (megatron's padding_mask: MoE routers leave these
         tokens out of the load counts that drive the expert-bias update)."""
-        real = self.cu_seqlens[self.valid.shape[0]]  # where the samples' segments end
+        real = self.bounds[self.valid.shape[0]]  # where the samples' segments end
         return (torch.arange(self.length, device=self.input_ids.device) >= real)[None]
+
+    def scatter_responses(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-response-token values [n] -> [mb, R] (0 where not valid)."""
+        flat = values.new_zeros(self.valid.numel()).index_put((self.response_index,), values)
+        return flat.view(self.valid.shape)
 
     def at_responses(self, out: torch.Tensor) -> torch.Tensor:
         """Per-position outputs [T, ...] -> [mb, R, ...] at the response tokens (0 where not valid)."""
@@ -118,5 +131,7 @@ def pack(tokens: torch.Tensor, attention_mask: torch.Tensor, response_len: int, 
     flat = torch.cat(ids)
     return Packed(input_ids=flat[None],
                   position_ids=torch.cat([torch.arange(n) for n in lens])[None],
-                  cu_seqlens=torch.tensor(starts, dtype=torch.int32), max_seqlen=max(lens),
-                  predictor=pred, target=tokens[rows, L - R:], valid=valid, last=last)
+                  cu_seqlens=torch.tensor(starts, dtype=torch.int32), bounds=tuple(starts), max_seqlen=max(lens),
+                  predictor=pred, target=tokens[rows, L - R:], valid=valid, last=last,
+                  response_rows=pred[valid], response_targets=tokens[rows, L - R:][valid],
+                  response_index=valid.flatten().nonzero().squeeze(1))

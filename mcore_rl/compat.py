@@ -11,6 +11,7 @@ import contextvars
 import functools
 import importlib
 import logging
+import os
 import types
 import warnings
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ class Patch:
     why: str
     fn: Callable[[], None]
     cpu_only: bool = False
+
+
+# Comma-separated patch names that apply() leaves out (benchmarks measure the unpatched path).
+SKIP_ENV = "MCORE_RL_SKIP_PATCHES"
 
 
 class _CpuCuda:
@@ -224,6 +229,64 @@ def _padding_mask_later_stages():
     GPTModel._preprocess = split_on_every_stage
 
 
+def _rope_thd_without_sync():
+    """Packed (THD) RoPE gathers each token's frequencies by its position in its sequence, computed
+    on the device. megatron's version splits the tensor per sequence with `cu_seqlens.tolist()` and
+    compares `freqs.size(0) == cu_seqlens[-1]`: two host syncs per call, four per MLA layer."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+
+    def thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0,
+            cp_group=None):
+        if cp_group is None or cp_group.size() != 1:
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        total = t.shape[0]  # == cu_seqlens[-1]: THD holds every sequence's tokens, no padding
+        if freqs.dim() >= 1 and freqs.size(0) == total:  # megatron's offset mapping: packed positions
+            packed = freqs[:total]
+        else:  # each sequence from position 0
+            starts = cu_seqlens[:-1].long()
+            first = torch.repeat_interleave(starts, cu_seqlens[1:].long() - starts, output_size=total)
+            packed = freqs[torch.arange(total, device=t.device) - first]
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
+            multi_latent_attention=multi_latent_attention, mscale=mscale).squeeze(1)
+
+    thd.__wrapped__ = original
+    rope_utils._apply_rotary_pos_emb_thd = thd
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract: ([total norm] on the device, None)."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract: dst[i] = src[i] * scale."""
+    src, dst = tensor_lists
+    if src is dst:
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _grad_norm_without_sync():
+    """Without apex or TE megatron falls back to local multi-tensor helpers; its l2 norm turns
+    every grad's norm into a Python float (one host sync per tensor, ~1000 per optimizer step
+    for a Moonlight layer stack) and its scale loops over tensors. Foreach kernels do both on
+    the device."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _foreach_scale
+
+
 PATCHES = (
     Patch("expert_bias_padding_mask", "the expert-bias token count ANDs a [tokens, experts] map "
           "with a [tokens] padding mask (a shape error)", _expert_bias_padding_mask),
@@ -261,6 +324,10 @@ PATCHES = (
           _recompute_rng_cpu, cpu_only=True),
     Patch("cpu_optimizer_param_types", "megatron's (distributed) optimizer accepts only parameters "
           "whose .type() names a CUDA tensor", _optimizer_param_types_cpu, cpu_only=True),
+    Patch("rope_thd_no_sync", "packed-sequence RoPE syncs with the host twice per call",
+          _rope_thd_without_sync),
+    Patch("grad_norm_no_sync", "the grad-norm fallback without apex/TE syncs with the host once per "
+          "tensor", _grad_norm_without_sync),
 )
 
 _applied: set[str] = set()
@@ -323,8 +390,12 @@ def apply(cpu: bool | None = None) -> list[str]:
                     "applying none", version, PATCHED_VERSIONS)
         return []
     cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    skip = {n.strip() for n in os.environ.get(SKIP_ENV, "").split(",") if n.strip()}
+    unknown = skip - {p.name for p in PATCHES}
+    if unknown:
+        raise ValueError(f"{SKIP_ENV} names unknown patches: {sorted(unknown)}")
     for patch in PATCHES:
-        if patch.name in _applied or (patch.cpu_only and not cpu):
+        if patch.name in _applied or patch.name in skip or (patch.cpu_only and not cpu):
             continue
         patch.fn()
         _applied.add(patch.name)

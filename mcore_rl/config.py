@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import os
 import sys
@@ -103,7 +104,17 @@ class MemoryConfig:
     offload_train_states: bool = True  # Megatron params/grads/optimizer to CPU while the engine runs
     offload_ref: bool = True  # the frozen reference policy lives on the host between its forwards (GPU)
     grad_fp32: bool = True  # grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)
-    recompute_activations: bool = False
+    recompute_activations: bool = False  # shorthand for recompute: full
+    # activation recompute (megatron's, counted by the planner): none; full: keep only each
+    # recomputed layer's input (recompute_layers: the first N layers of each pipeline stage, null:
+    # all); selective: rerun recompute_modules in backward ("moe": the MoE layers' router, dispatch
+    # and experts; "mlp": dense MLPs)
+    recompute: Literal["none", "full", "selective"] = "none"
+    recompute_layers: int | None = None
+    recompute_modules: list[Literal["moe", "mlp"]] = field(default_factory=lambda: ["moe"])
+    # share of the optimizer's fp32 main params whose Adam moments live and step on the host (GPU
+    # only; megatron's optimizer_cpu_offload). The moments leave the GPU; main params stay.
+    optimizer_offload_fraction: float = 0.0
     saver_hook_mode: Literal["preload", "torch"] = "preload"  # torch: CUDA graphs cannot be released
     auto_mem_fraction: bool = True  # pick rollout.mem_fraction_static; false: check the configured one
     sync_bucket_mb: int = 512  # weight-sync bucket (two are resident, outside saver regions)
@@ -152,6 +163,12 @@ class ActorConfig:
     use_distributed_optimizer: bool = True  # shard fp32 main params and Adam moments over DP
     # aux-loss-free balancing (DeepSeek-V3): expert-bias step per update; 0 keeps routing as loaded
     router_bias_update_rate: float = 0.0
+    # training throughput (benchmarks/actor_bench.py); null: on with GPUs, off on CPU
+    packed_attention: Literal["sdpa", "varlen"] = "sdpa"  # an SDPA call per sequence, or one varlen flash call (GPU)
+    fused_logprobs: bool | None = None  # log-probs and entropies without fp32 [tokens, vocab] copies (mcore_rl.head)
+    fused_adam: bool | None = None  # torch's fused AdamW kernel instead of its multi-tensor ops
+    overlap_grad_reduce: bool | None = None  # reduce-scatter grad buckets during the last micro-batch's backward
+    grad_bucket_size: int | None = None  # elements per DDP grad bucket; null: megatron's (40 M, or 1 M x DP)
 
 
 @dataclass
@@ -399,6 +416,15 @@ def _num_experts(hf: dict) -> int:
     return int(hf.get("n_routed_experts") or hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
+def recompute_choice(memory) -> tuple[str, int | None, tuple[str, ...]]:
+    """(mode, layers, modules) of a MemoryConfig or its dict, recompute_activations read as full."""
+    get = memory.get if isinstance(memory, dict) else functools.partial(getattr, memory)
+    mode = get("recompute")
+    if mode == "none" and get("recompute_activations"):
+        mode = "full"
+    return mode, get("recompute_layers"), tuple(get("recompute_modules") or ())
+
+
 def actor_gpus(cfg: Config) -> int:
     total = cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node
     return total if cfg.cluster.colocate else total - cfg.cluster.rollout_gpus
@@ -454,6 +480,21 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     need(mem.reserved_gb >= 0, f"memory.reserved_gb must be >= 0, got {mem.reserved_gb}")
     need(0 < r.mem_fraction_static < 1, f"rollout.mem_fraction_static must be in (0, 1), got "
                                         f"{r.mem_fraction_static}")
+    need(0 <= mem.optimizer_offload_fraction <= 1,
+         f"memory.optimizer_offload_fraction must be in [0, 1], got {mem.optimizer_offload_fraction}")
+    need(mem.optimizer_offload_fraction == 0 or cfg.cluster.device == "gpu",
+         "memory.optimizer_offload_fraction > 0 needs cluster.device 'gpu' (megatron's hybrid optimizer "
+         "copies over CUDA streams)")
+    need(not (mem.recompute_activations and mem.recompute != "full" and mem.recompute != "none"),
+         f"memory.recompute_activations: true (full recompute) conflicts with memory.recompute: {mem.recompute}")
+    need(mem.recompute_layers is None or mem.recompute_layers >= 1,
+         f"memory.recompute_layers must be >= 1 or null, got {mem.recompute_layers}")
+    need(mem.recompute_layers is None or recompute_choice(mem)[0] == "full",
+         "memory.recompute_layers applies to memory.recompute: full only")
+    need(recompute_choice(mem)[0] != "selective" or bool(mem.recompute_modules),
+         "memory.recompute: selective needs memory.recompute_modules")
+    need(a.grad_bucket_size is None or a.grad_bucket_size >= 1,
+         f"actor.grad_bucket_size must be >= 1 or null, got {a.grad_bucket_size}")
     for name in ("gamma", "lam"):
         need(0 <= getattr(alg, name) <= 1, f"algorithm.{name} must be in [0, 1], got {getattr(alg, name)}")
     need(alg.kl_ctrl.type == "fixed" or alg.kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon must be > 0")
@@ -549,6 +590,9 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
         errors.append(f"parallel.tp = {p.tp} must divide the model's num_key_value_heads = {kv_heads}")
     if layers < p.pp:
         errors.append(f"parallel.pp = {p.pp} exceeds the model's num_hidden_layers = {layers}")
+    elif (cfg.memory.recompute_layers or 0) > layers // p.pp:
+        errors.append(f"memory.recompute_layers = {cfg.memory.recompute_layers} exceeds the "
+                      f"{layers // p.pp} layers of a pipeline stage")
     if experts:
         if experts % p.ep:
             errors.append(f"parallel.ep = {p.ep} must divide the model's {experts} routed experts")

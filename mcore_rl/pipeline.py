@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.profiler import record_function
 
 from mcore_rl.batching import Packed
 
@@ -47,16 +48,24 @@ def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather:
     # Packed micro-batches differ in length, so P2P sends each activation's shape first (one schedule
     # call, no padding). megatron's config check refuses this beside the allgather MoE dispatcher only
     # because EP ranks could then differ in token counts; the actor's plan gives them equal lengths.
-    get_model_config(model).variable_seq_lengths = True
+    config = get_model_config(model)
+    config.variable_seq_lengths = True
+    # with overlapped grad reduction (mcore_rl.optim.wrap) megatron's DDP reduces a bucket as soon as
+    # backward fills it: only on the last micro-batch, the others run inside no_sync. Set per call:
+    # the policy, its reference and the critic may share one config.
+    ddp = getattr(model, "ddp_config", None)
+    config.no_sync_func = model.no_sync if ddp is not None and ddp.overlap_grad_reduce else None
 
     def step(data, model):
         k, packed = next(data)
-        out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params(),
-                    padding_mask=packed.filler)
+        with record_function("model/forward"):  # named ranges: benchmarks/profile_breakdown.py
+            out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params(),
+                        padding_mask=packed.filler)
 
         def on_output(out, non_loss_data=False):  # last stage only
-            out = gather_from_tensor_model_parallel_region(out) if tp_gather else out
-            return on_last_stage(out[0], k)
+            with record_function("model/loss"):
+                out = gather_from_tensor_model_parallel_region(out) if tp_gather else out
+                return on_last_stage(out[0], k)
 
         return out, on_output
 

@@ -49,3 +49,32 @@ def test_padded_batch_matches_reference():
     for i in range(b):
         ref = _attn(q[:, i], k[:, i], v[:, i], 1 / math.sqrt(dk)).reshape(s, -1)
         torch.testing.assert_close(out[:, i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_attention_splits_by_the_host_bounds():
+    """With the host copy of cu_seqlens that mcore_rl.batching attaches, the packed path never
+    reads cu_seqlens (here on the meta device, which cannot be read) and gives the same result."""
+    torch.manual_seed(2)
+    lens, h, dk, dv = [4, 6], 2, 24, 16
+    t = sum(lens)
+    q, k, v = torch.randn(t, h, dk), torch.randn(t, h, dk), torch.randn(t, h, dv)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    layer = _layer(dk)
+    want = layer(q, k, v, None, packed_seq_params=SimpleNamespace(cu_seqlens_q=cu))
+    unreadable = SimpleNamespace(cu_seqlens_q=cu.to("meta"), seq_bounds=(0, 4, 10))
+    torch.testing.assert_close(layer(q, k, v, None, packed_seq_params=unreadable), want, atol=0, rtol=0)
+
+
+def test_varlen_attention_falls_back_to_per_sequence_sdpa_off_gpu():
+    """The varlen class runs torch's flash varlen kernel on CUDA only (its equality with the
+    per-sequence path on GPU: benchmarks/attention_check.py); on CPU it is the per-sequence path."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcore_rl.models.layers import VarlenCoreAttention
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(9, 2, 24), torch.randn(9, 2, 24), torch.randn(9, 2, 16)
+    psp = SimpleNamespace(cu_seqlens_q=torch.tensor([0, 5, 9], dtype=torch.int32), max_seqlen_q=5)
+    varlen = VarlenCoreAttention(_layer(24).config, layer_number=1, attn_mask_type=AttnMaskType.causal).eval()
+    torch.testing.assert_close(varlen(q, k, v, None, packed_seq_params=psp),
+                               _layer(24)(q, k, v, None, packed_seq_params=psp), atol=0, rtol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -136,11 +137,69 @@ def test_whole_model_counts_match_the_published_sizes():
 def test_activations_follow_the_documented_estimate():
     c = MOONLIGHT
     hf = HFModel.from_dict(c)
-    T, H, tp = 8192, c["hidden_size"], 2
-    i = PlanInputs(capacity=80 * GiB, world=16, tp=tp, ep=8, micro_tokens=T)
+    T, H, V, tp, n = 8192, c["hidden_size"], c["vocab_size"], 2, 3000
+    i = PlanInputs(capacity=80 * GiB, world=16, tp=tp, ep=8, micro_tokens=T, response_tokens=n,
+                   fused_logprobs=False)
     moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
-    want = 27 * 106 * T * H // tp + 26 * moe + T * c["vocab_size"] * 10
-    assert trainer_bytes(hf, i, 0)["megatron activations"] == want
+    layers = 27 * 153 * T * H // tp + 26 * moe
+    assert trainer_bytes(hf, i, 0)["megatron activations"] == layers + 2 * T * V + 14 * n * V
+    fused = dataclasses.replace(i, fused_logprobs=True)  # bf16 rows kept + one fp32 chunk
+    assert trainer_bytes(hf, fused, 0)["megatron activations"] == layers + 2 * T * V + 2 * n * V + (1 << 29)
+
+
+def _moonlight_train(**kw) -> dict:
+    hf = HFModel.from_dict(MOONLIGHT)
+    return trainer_bytes(hf, PlanInputs(capacity=80 * GiB, world=16, tp=2, ep=8, micro_tokens=8192,
+                                        response_tokens=0, **kw), 0)
+
+
+def test_recompute_choices_keep_what_the_docstring_says():
+    c = MOONLIGHT
+    T, H, tp, L = 8192, c["hidden_size"], 2, c["num_hidden_layers"]
+    moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
+    dense_layer, moe_layer = 153 * T * H // tp, 153 * T * H // tp + moe
+    head = 2 * T * c["vocab_size"]  # no response rows
+    act = lambda **kw: _moonlight_train(**kw)["megatron activations"]  # noqa: E731
+    assert act() == dense_layer + 26 * moe_layer + head
+    # every layer: its input, plus one layer rebuilt in backward
+    assert act(recompute="full") == L * 2 * T * H // tp + moe_layer + head
+    assert act(recompute=True) == act(recompute="full")  # memory.recompute_activations
+    # the first 5 layers (one dense, four MoE) keep their input, the other 22 everything
+    assert act(recompute="full", recompute_layers=5) == 5 * 2 * T * H // tp + 22 * moe_layer + head
+    shared = c["n_shared_experts"] * c["moe_intermediate_size"]
+    moe_kept = moe_layer - moe - T * (8 * shared + 16 * c["n_routed_experts"]) // tp
+    assert act(recompute="selective", recompute_modules=("moe",)) == dense_layer + 26 * moe_kept + head
+    mlp_kept = dense_layer - T * 8 * c["intermediate_size"] // tp
+    assert act(recompute="selective", recompute_modules=("moe", "mlp")) == mlp_kept + 26 * moe_kept + head
+
+
+def test_optimizer_offload_and_fused_adam():
+    base = _moonlight_train()
+    elements = base["megatron optimizer"] // 12  # fp32 main params (4) + moments (8) per element
+    half = _moonlight_train(optimizer_offload_fraction=0.5)
+    assert half["megatron optimizer"] == 4 * elements + 4 * elements  # half the moments on the host
+    assert _moonlight_train(optimizer_offload_fraction=1.0)["megatron optimizer"] == 4 * elements
+    # multi-tensor AdamW's sqrt(v) temporaries (4 B per element) exceed these activations only
+    # when they are small: here with full recompute and 256 tokens
+    small = dict(recompute="full", micro_tokens=256)
+    hf = HFModel.from_dict(MOONLIGHT)
+    foreach = trainer_bytes(hf, PlanInputs(capacity=80 * GiB, world=16, tp=2, ep=8, fused_adam=False, **small), 0)
+    fused = trainer_bytes(hf, PlanInputs(capacity=80 * GiB, world=16, tp=2, ep=8, **small), 0)
+    assert foreach["megatron activations"] == 4 * elements > fused["megatron activations"]
+
+
+def test_config_options_reach_the_plan():
+    from mcore_rl.config import load_config
+
+    cfg = load_config(MOONLIGHT_YAML, ["memory.recompute=selective", "memory.recompute_modules=[moe]",
+                                       "memory.optimizer_offload_fraction=0.25", "actor.fused_adam=false"])
+    i = PlanInputs.from_config(cfg, 80 * GiB)
+    assert (i.recompute, i.recompute_modules, i.optimizer_offload_fraction) == ("selective", ("moe",), 0.25)
+    assert i.fused_logprobs and not i.fused_adam  # null follows the device (gpu), false stays false
+    # 6144-token micro-batches of 1024-token prompts and 4096-token responses: 4/5 of them responses
+    assert i.response_tokens == -(-6144 * 4096 // 5120)  # rounded up
+    legacy = PlanInputs.from_config(load_config(MOONLIGHT_YAML, ["memory.recompute_activations=true"]), 80 * GiB)
+    assert legacy.recompute == "full" and legacy.recompute_layers is None
 
 
 def test_oversized_plan_is_refused_naming_phase_and_shortfall():

@@ -127,3 +127,33 @@ def test_resume_from_optimizer_checkpoint_is_exact(tiny):
     a = torch.load(os.path.join(root, "resume_first.pt"), weights_only=True)
     b = torch.load(os.path.join(root, "resume_again.pt"), weights_only=True)
     assert torch.equal(a, b)
+
+
+def _fused_vs_foreach(rank, root):
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl import optim
+
+    out = {}
+    for fused in (False, True):
+        ps.destroy_model_parallel()
+        ddp, opt = _setup(root, 1, 2, 1, os.path.join(root, "ckpt"))
+        if fused:
+            optim.use_fused_adam(opt)
+            inner = [sub.optimizer for sub in opt.chained_optimizers]
+            assert all(g["fused"] and not g["foreach"] for o in inner for g in o.param_groups)
+        for seed in (1, 2):
+            _train_step(ddp, opt, seed)
+        out[fused] = _eval(ddp)
+    if out[True] is not None:
+        torch.save(out, os.path.join(root, f"fused_adam{rank}.pt"))
+
+
+def test_fused_adam_steps_like_the_multi_tensor_adam(tiny):
+    """torch's fused AdamW kernel (actor.fused_adam, default on GPU) against the multi-tensor AdamW
+    megatron builds without apex/TE: two distributed-optimizer steps at EP2 (moments and steps
+    carried over), logits after them."""
+    root = str(tiny)
+    distributed.run(_fused_vs_foreach, 2, root)
+    got = torch.load(os.path.join(root, "fused_adam0.pt"), weights_only=True)
+    assert ((got[True] - got[False]).norm() / got[False].norm()).item() < 1e-5

@@ -7,21 +7,36 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
   weights    = (N_d + N_e) * b            b = 2 for bf16, 4 for fp32; the router's expert bias: 4 B
   grads      = (N_d + N_e) * (4 if memory.grad_fp32 else b)
   optimizer  = o * (N_d / dp + N_e / edp) with the distributed optimizer, else o * (N_d + N_e);
-               o = 4 (fp32 main params, only when b != 4) + 8 (Adam's two fp32 moments),
-               dp = world / (tp * pp), edp = world / (pp * ep * etp) (expert data parallel)
+               o = 4 (fp32 main params, only when b != 4) + 8 (Adam's two fp32 moments) * (1 - f),
+               f = memory.optimizer_offload_fraction (those moments live on the host; the main
+               params stay), dp = world / (tp * pp), edp = world / (pp * ep * etp) (expert DP)
   activations, T = tokens per micro-batch (micro_batch_size * (prompt + response), or
-               ppo_max_token_len_per_gpu with dynamic batching); per layer ACT * T * h / tp with
-               ACT = 106, measured on H200 at Moonlight widths (TP2xEP4 27 layers and TP1xEP4 16
-               layers both within 1 %, benchmarks/RESULTS.md). Korthikanti et al.'s 34 (bf16,
-               sequence parallel, no s^2 term with SDPA/flash) assumes MHA with bf16 norms; MLA's
-               wider q/k/v and the fp32 RMSNorm temporaries add about 70 bytes per token and h
-               plus T * topk / tp * (2h + 3 * I_moe / etp) * 2 for the routed experts of an MoE
-               layer (balanced routing: each rank of the EP group gets its share of the T / tp
-               tokens every TP rank holds under sequence parallelism).
-               Full recompute keeps 2 * T * h / tp per layer plus one layer's full set. 1F1B keeps
-               pp - s micro-batches in flight on stage s; the last stage adds T * V * 10 (the
-               actor gathers full-vocabulary logits on every TP rank: bf16 logits, fp32
-               log-softmax and its gradient).
+               ppo_max_token_len_per_gpu with dynamic batching), n = its response tokens (the rows
+               whose log-probs are taken; T * max_response_len / (max_prompt_length +
+               max_response_len) unless given):
+               per layer ACT * T * h / tp, plus T * topk / tp * (2h + 3 * I_moe / etp) * 2 for the
+               routed experts of an MoE layer (balanced routing: each rank of the EP group gets its
+               share of the T / tp tokens every TP rank holds under sequence parallelism).
+               ACT = 153 fits both H200 runs of benchmarks/RESULTS.md (TP2xEP4 27 layers, TP1xEP4
+               16 layers, 4 x 2064-token micro-batches with 16 response tokens each) within 0.5 %.
+               It holds what Korthikanti et al.'s 34 (bf16, sequence parallel, no s^2 term with
+               flash attention) leaves out: MLA's wider q/k/v, RoPE'd copies, norms in fp32,
+               shared experts, router and dispatch.
+               Recompute: full keeps 2 * T * h / tp per recomputed layer (its input) and, when every
+               layer is recomputed, one layer's full set while it is rebuilt in backward;
+               recompute_layers = N recomputes the first N layers of the stage (megatron's block
+               method). Selective "moe" keeps of an MoE layer only its input, dropping the routed
+               term, the shared experts' 8 * I_shared / tp and the router's 16 E bytes per token;
+               "mlp" drops a dense MLP's 8 * I / tp bytes per token (fc1 output, SiLU, product).
+               1F1B keeps pp - s micro-batches in flight on stage s; the last stage adds the
+               output head (the actor gathers full-vocabulary logits on every TP rank): 2 T V (bf16
+               logits, later their gradient) + 14 n V (the selected rows as fp32, log-softmax,
+               exp and their gradients, measured on the autograd chain) or, with
+               actor.fused_logprobs, 2 n V (bf16 rows kept, mcore_rl.head) + one chunk of fp32
+               temporaries (mcore_rl.head.CHUNK_BYTES).
+               The optimizer step runs after backward has freed the activations; torch's
+               multi-tensor AdamW allocates one fp32 temporary per moment element (4 B each, none
+               with actor.fused_adam or the offloading optimizer): the larger of the two peaks counts.
 Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
   weights    = the rank's tensors in SGLang's layout (`layout.engine_tensors`): vocab-split
                embeddings/lm_head, replicated q_a/kv_a, experts E/ep per rank split over moe_tp,
@@ -70,7 +85,10 @@ class PlanError(RuntimeError):
 
 
 
-ACT = 106  # activation bytes per token and hidden unit per layer (see the docstring)
+ACT = 153  # activation bytes per token and hidden unit per layer (see the docstring)
+HEAD_PLAIN = 14  # bytes per response token and vocabulary entry of the autograd log-prob chain
+HEAD_FUSED = 2  # the same through mcore_rl.head: the bf16 rows it keeps
+RECOMPUTE_MODES = ("none", "full", "selective")
 
 @dataclass(frozen=True)
 class PlanInputs:
@@ -96,26 +114,45 @@ class PlanInputs:
     offload_train_states: bool = True
     distributed_optimizer: bool = True
     grad_fp32: bool = True
-    recompute: bool = False
+    recompute: str = "none"  # none | full | selective (True: full, as memory.recompute_activations)
+    recompute_layers: int | None = None  # full: the first N layers of a stage; None: all
+    recompute_modules: tuple[str, ...] = ("moe",)  # selective
+    optimizer_offload_fraction: float = 0.0
+    response_tokens: int | None = None  # log-prob rows per micro-batch; None: all micro_tokens
+    fused_logprobs: bool = True
+    fused_adam: bool = True
     hook_mode: str = "preload"
+
+    def __post_init__(self):
+        if isinstance(self.recompute, bool):  # the older boolean: full recompute
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute {self.recompute!r}: expected one of {RECOMPUTE_MODES}")
+        object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
 
     @classmethod
     def from_config(cls, cfg, capacity: int) -> "PlanInputs":
-        from mcore_rl.config import actor_gpus
+        from mcore_rl.config import actor_gpus, recompute_choice
 
         a, r, m, d, p = cfg.actor, cfg.rollout, cfg.memory, cfg.data, cfg.parallel
         seq = d.max_prompt_length + r.max_response_len
+        micro = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.micro_batch_size * seq
+        mode, layers, modules = recompute_choice(m)
+        gpu = cfg.cluster.device == "gpu"  # the actor's null switches follow the device
         return cls(
             capacity=capacity, world=actor_gpus(cfg), tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp,
-            dtype=cfg.model.dtype,
-            micro_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.micro_batch_size * seq,
+            dtype=cfg.model.dtype, micro_tokens=micro, response_tokens=-(-micro * r.max_response_len // seq),
+            recompute=mode, recompute_layers=layers, recompute_modules=modules,
+            optimizer_offload_fraction=m.optimizer_offload_fraction,
+            fused_logprobs=gpu if a.fused_logprobs is None else a.fused_logprobs,
+            fused_adam=gpu if a.fused_adam is None else a.fused_adam,
             rollout_tp=r.tp_size, rollout_ep=r.ep_size,
             mem_fraction_static=None if m.auto_mem_fraction else r.mem_fraction_static,
             seq_len=seq, cuda_graph_max_bs=r.cuda_graph_max_bs, chunked_prefill_size=r.chunked_prefill_size,
             cuda_graph_bytes=None if m.cuda_graph_gb is None else int(m.cuda_graph_gb * GiB),
             reserved=int(m.reserved_gb * GiB), sync_bucket=m.sync_bucket_mb * MiB,
             offload_train_states=m.offload_train_states, distributed_optimizer=cfg.actor.use_distributed_optimizer,
-            grad_fp32=m.grad_fp32, recompute=m.recompute_activations, hook_mode=m.saver_hook_mode)
+            grad_fp32=m.grad_fp32, hook_mode=m.saver_hook_mode)
 
 
 @dataclass
@@ -167,23 +204,36 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------- components
+def _optimizer_elements(hf: HFModel, i: PlanInputs, n: dict) -> int:
+    if not i.distributed_optimizer:
+        return n["dense"] + n["expert"]
+    dp, edp = i.world // (i.tp * i.pp), i.world // (i.pp * i.ep * i.etp)
+    return math.ceil(n["dense"] / dp) + math.ceil(n["expert"] / edp)
+
+
 def trainer_bytes(hf: HFModel, i: PlanInputs, stage: int) -> dict[str, int]:
     b = DTYPE_BYTES[i.dtype]
     n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
-    dp, edp = i.world // (i.tp * i.pp), i.world // (i.pp * i.ep * i.etp)
-    o = (4 if b != 4 else 0) + 8
-    if i.distributed_optimizer:
-        opt = o * (math.ceil(n["dense"] / dp) + math.ceil(n["expert"] / edp))
-    else:
-        opt = o * (n["dense"] + n["expert"])
+    elements = _optimizer_elements(hf, i, n)
+    moments = round(8 * elements * (1 - i.optimizer_offload_fraction))
     return {"megatron weights": (n["dense"] + n["expert"]) * b + n["buffer"] * 4,
             "megatron grads": (n["dense"] + n["expert"]) * (4 if i.grad_fp32 else b),
-            "megatron optimizer": opt,
-            "megatron activations": activation_bytes(hf, i, stage)}
+            "megatron optimizer": (4 if b != 4 else 0) * elements + moments,
+            "megatron activations": max(activation_bytes(hf, i, stage), step_temporary_bytes(hf, i, stage))}
+
+
+def step_temporary_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
+    """What the optimizer step allocates on top of the states: multi-tensor AdamW's sqrt(v) copy
+    (the fused kernel, also the hybrid offload optimizer's, allocates none)."""
+    if i.fused_adam or i.optimizer_offload_fraction > 0:
+        return 0
+    n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
+    return 4 * _optimizer_elements(hf, i, n)
 
 
 def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
-    T, h = i.micro_tokens, hf.hidden_size
+    """Stored activations of the stage's micro-batches in flight, plus the output head."""
+    T, h, E = i.micro_tokens, hf.hidden_size, hf.num_experts
     layers = stage_layers(hf, i.pp)[stage]
 
     def full(layer: int) -> int:
@@ -192,14 +242,40 @@ def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
             a += T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
         return a
 
-    if i.recompute:
-        stored = len(layers) * 2 * T * h // i.tp + max((full(x) for x in layers), default=0)
+    def selective(layer: int) -> int:  # what rerunning recompute_modules in backward leaves stored
+        a = full(layer)
+        if hf.is_moe_layer(layer) and "moe" in i.recompute_modules:
+            shared = (hf.get("n_shared_experts") or 0) * hf.moe_intermediate_size
+            a -= T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
+            a -= T * (8 * shared + 16 * E) // i.tp
+        elif not hf.is_moe_layer(layer) and "mlp" in i.recompute_modules:
+            a -= T * 8 * hf.intermediate_size // i.tp
+        return a
+
+    if i.recompute == "full":
+        first = len(layers) if i.recompute_layers is None else min(i.recompute_layers, len(layers))
+        stored = first * 2 * T * h // i.tp + sum(full(x) for x in layers[first:])
+        if first == len(layers):  # one layer rebuilt at a time in backward
+            stored += max((full(x) for x in layers), default=0)
+    elif i.recompute == "selective":
+        stored = sum(selective(x) for x in layers)
     else:
         stored = sum(full(x) for x in layers)
     total = (i.pp - stage) * stored
     if stage == i.pp - 1:
-        total += T * hf.vocab_size * 10
+        total += head_bytes(hf, i)
     return total
+
+
+def head_bytes(hf: HFModel, i: PlanInputs) -> int:
+    """The output head's peak: full-vocabulary logits of the micro-batch and the log-prob rows."""
+    from mcore_rl.head import CHUNK_BYTES
+
+    T, V = i.micro_tokens, hf.vocab_size
+    n = T if i.response_tokens is None else min(i.response_tokens, T)
+    if i.fused_logprobs:
+        return 2 * T * V + HEAD_FUSED * n * V + min(CHUNK_BYTES, 4 * n * V)
+    return 2 * T * V + HEAD_PLAIN * n * V
 
 
 def kv_bytes_per_token(hf: HFModel, tp: int) -> int:

@@ -64,23 +64,26 @@ def use_te() -> bool:
     return compat._have_te() and torch.cuda.is_available()
 
 
-def layer_spec(config, vp_stage=None, fast_moe: bool = True):
+def layer_spec(config, vp_stage=None, fast_moe: bool = True, attention: str = "sdpa"):
     """megatron's local decoder spec with our norm and attention; with fast_moe, grouped-GEMM
-    experts (same parameters, same results)."""
+    experts (same parameters, same results). attention: packed sequences as one SDPA call per
+    sequence ("sdpa") or one variable-length flash call per micro-batch ("varlen", CUDA)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from mcore_rl.models.experts import GroupedGemmExperts
-    from mcore_rl.models.layers import RMSNorm, SDPACoreAttention
+    from mcore_rl.models.layers import CORE_ATTENTION, RMSNorm
 
+    if attention not in CORE_ATTENTION:
+        raise ValueError(f"attention {attention!r}: expected one of {sorted(CORE_ATTENTION)}")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm", vp_stage=vp_stage)
     moe = {SequentialMLP: GroupedGemmExperts} if fast_moe else None
-    return _rewrite_spec(spec, RMSNorm, SDPACoreAttention, moe)
+    return _rewrite_spec(spec, RMSNorm, CORE_ATTENTION[attention], moe)
 
 
 def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_process=None,
-                fast_moe: bool = True):
+                fast_moe: bool = True, attention: str = "sdpa"):
     """A GPTModel for `hf` on this rank's pipeline stage (parallel_state must be initialised).
 
     fast_moe=False keeps megatron's per-expert loop and scatter-add permutation (for comparisons).
@@ -106,7 +109,7 @@ def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_pr
         rope.update(rope_scaling=True, rope_scaling_factor=float(rs["factor"]))
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, vp_stage, fast_moe),
+        transformer_layer_spec=layer_spec(config, vp_stage, fast_moe, attention),
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.get("max_position_embeddings", 4096),
         pre_process=pre_process,

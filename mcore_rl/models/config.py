@@ -99,10 +99,14 @@ def _rope_theta(m: HFModel) -> float:
 
 def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
                        dtype: torch.dtype = torch.float32, cpu: bool | None = None,
-                       sequence_parallel: bool | None = None, recompute: bool = False,
+                       sequence_parallel: bool | None = None, recompute: bool | str = False,
+                       recompute_layers: int | None = None, recompute_modules: tuple[str, ...] = ("moe",),
                        pp_first_layers: int | None = None, pp_last_layers: int | None = None,
                        **overrides):
-    """Build the megatron-core (MLA)TransformerConfig for `m` at a parallel layout."""
+    """Build the megatron-core (MLA)TransformerConfig for `m` at a parallel layout.
+
+    recompute: False/"none", True/"full" (each layer's input kept; recompute_layers: only the first
+    N layers of a stage) or "selective" (megatron's recompute_modules)."""
     from megatron.core.transformer.transformer_config import (MLATransformerConfig,
                                                               TransformerConfig)
 
@@ -148,9 +152,8 @@ def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
         num_layers_in_first_pipeline_stage=pp_first_layers,
         num_layers_in_last_pipeline_stage=pp_last_layers,
     )
-    if recompute:
-        common.update(recompute_granularity="full", recompute_method="uniform",
-                      recompute_num_layers=1)
+    common.update(_recompute_config({True: "full", False: "none"}.get(recompute, recompute),
+                                    recompute_layers, recompute_modules))
     if moe:
         common.update(_moe_config(m))
     if m.is_mla:
@@ -166,6 +169,18 @@ def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
         # not a megatron field: read by compat's deepseek_group_routing patch while routing
         config.moe_router_group_score_topk = groups[2]
     return config
+
+
+def _recompute_config(mode: str, layers: int | None, modules: tuple[str, ...]) -> dict[str, Any]:
+    if mode == "none":
+        return {}
+    if mode == "full":
+        if layers:
+            return dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=layers)
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if mode == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=list(modules))
+    raise ValueError(f"recompute {mode!r}: expected none, full or selective")
 
 
 def _gqa_config(m: HFModel) -> dict[str, Any]:

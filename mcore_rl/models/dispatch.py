@@ -60,7 +60,9 @@ class GatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         self._lists = (token_of_row, torch.argsort(token_of_row, stable=True),
                        F.pad(local_map.sum(1).cumsum(0), (1, 0))[:-1])
         permuted = _Permute.apply(hidden_states, *self._lists)
-        tokens_per_expert = expert_major.sum(1).cpu()  # host counts, as megatron's experts expect
+        # counts stay on the device: the grouped experts need them there, and megatron's per-expert
+        # fallback reads them with .tolist() (copying them to the host here would wait for the GPU)
+        tokens_per_expert = expert_major.sum(1)
         self.local_probs = probs[:, lo:hi].T.contiguous().masked_select(expert_major)
         self.routing_map = None
         return permuted, tokens_per_expert, self.local_probs

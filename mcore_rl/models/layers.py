@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Optional
 
@@ -58,12 +60,53 @@ class SDPACoreAttention(MegatronModule):
         # linear in the packed length (a mask over the whole pack would be quadratic in it)
         squeeze = query.dim() == 4
         q, k, v = (t.squeeze(1).transpose(0, 1) if squeeze else t.transpose(0, 1) for t in (query, key, value))
-        bounds = psp.cu_seqlens_q.tolist()
+        # the host copy the actor's packing attaches (mcore_rl.batching.Packed.seq_params); reading
+        # cu_seqlens from the device would stall the host once per layer
+        bounds = getattr(psp, "seq_bounds", None) or psp.cu_seqlens_q.tolist()
         out = torch.cat([F.scaled_dot_product_attention(
             q[:, a:b], k[:, a:b], v[:, a:b], dropout_p=dropout, is_causal=True, scale=self.softmax_scale,
             enable_gqa=k.shape[0] != q.shape[0]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dim=1)
         out = out.transpose(0, 1).reshape(q.shape[1], -1)
         return out.unsqueeze(1) if squeeze else out
+
+
+@functools.cache
+def _varlen_call():
+    """torch's variable-length flash attention as f(q, k, v, cu, max_len, scale), or None where this
+    torch lacks it (before 2.10) or lacks a scale argument. Causality is `is_causal` in 2.9's
+    signature and a (-1, 0) window from 2.10 on."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params:
+        return None
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    return lambda q, k, v, cu, max_len, scale: varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal)
+
+
+class VarlenCoreAttention(SDPACoreAttention):
+    """SDPACoreAttention whose packed path is one variable-length flash-attention call over the
+    whole micro-batch instead of one SDPA call per sequence (CUDA, bf16/fp16). Flash needs one head
+    dim for q, k and v: MLA's v (128) is zero-padded to the q/k dim (192) and the output cut back,
+    which costs the PV product 1.5x. Elsewhere (CPU, fp32, dropout) the per-sequence path runs."""
+
+    def _packed(self, query, key, value, psp, dropout):
+        call = _varlen_call()
+        if call is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dropout:
+            return super()._packed(query, key, value, psp, dropout)
+        squeeze = query.dim() == 4
+        q, k, v = (t.squeeze(1) if squeeze else t for t in (query, key, value))  # [t, h, d]
+        dv = v.shape[-1]
+        if dv != q.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - dv))
+        out = call(q, k, v, psp.cu_seqlens_q, psp.max_seqlen_q, self.softmax_scale)[..., :dv]
+        out = out.reshape(q.shape[0], -1)
+        return out.unsqueeze(1) if squeeze else out
+
+
+CORE_ATTENTION = {"sdpa": SDPACoreAttention, "varlen": VarlenCoreAttention}
 
 
 class RMSNorm(torch.nn.Module):

@@ -1,0 +1,459 @@
+"""Training throughput and memory of the Megatron actor on RL-shaped batches (issue 15).
+
+One process per GPU (NCCL; gloo processes with --cpu) holds a `MegatronActor` exactly as the
+trainer builds it (random weights of real widths, `--layers` of them, EP = GPUs) and runs
+`MegatronActor.update` on an RL-like batch: prompts and responses of spread lengths (default
+256-1024 prompt + 256-3072 response tokens), old log-probs from the policy itself, packed by the
+actor into micro-batches up to `--budget` tokens (actor.use_dynamic_bsz), one optimizer step per
+update through megatron's schedule, DDP and distributed optimizer.
+
+Each named run (RUNS) is a set of config switches; runs that share compat patches share
+processes (actor rebuilt per run). Per run: median update time, TFLOP/s per GPU (benchmarks/flops.py:
+6 x active parameters per real token + causal attention per sequence; filler tokens not counted)
+against 790 TFLOP/s and the GPU's measured matmul peak (--checks), peak memory per GPU split into
+states, the forward/backward peak and the optimizer-step peak, each beside the planner's
+prediction (mcore_rl.memory.planner) for the same layout and the largest micro-batch actually
+packed; with --profile, a torch.profiler breakdown of one more update (benchmarks/profile_breakdown.py).
+Prints tables and writes JSON (--out); --trace keeps the chrome traces beside it.
+
+    python benchmarks/actor_bench.py --gpus 2 --layers 8 --micro-batches 6 --steps 2 --checks --profile --out a.json
+    python benchmarks/actor_bench.py --gpus 1 --layers 4 --budget 8192 --out actor1.json      # 1 GPU
+    python benchmarks/actor_bench.py --cpu --tiny --gpus 2 --runs baseline,optimized --out a.json  # CPU, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GiB = 1 << 30
+FAST_OFF = ["actor.packed_attention=sdpa", "actor.fused_logprobs=false", "actor.fused_adam=false",
+            "actor.overlap_grad_reduce=false"]
+# name -> (config overrides, compat patches left out, memory run: fewer steps, no profile).
+# "{half}" stands for half the layers.
+RUNS = {
+    "baseline": (FAST_OFF, ("rope_thd_no_sync", "grad_norm_no_sync"), False),
+    "optimized": ([], (), False),
+    "varlen": (["actor.packed_attention=varlen"], (), False),
+    "recompute_full": (["memory.recompute=full"], (), True),
+    "recompute_half": (["memory.recompute=full", "memory.recompute_layers={half}"], (), True),
+    "recompute_moe": (["memory.recompute=selective", "memory.recompute_modules=[moe]"], (), True),
+    "offload": (["memory.optimizer_offload_fraction=1.0"], (), True),
+    "grad_bf16": (["memory.grad_fp32=false"], (), True),
+}
+DEFAULT_RUNS = "baseline,optimized,varlen,recompute_full,recompute_half,recompute_moe,offload"
+
+
+# ----------------------------------------------------------------------------- the batch
+def rl_batch(args, n: int, vocab: int, seed: int = 0) -> dict:
+    """`n` left-padded samples: prompt and response lengths uniform in the given ranges, response
+    mask up to each response's end, GRPO-like advantages (one per response)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(args.prompt[0], args.prompt[1] + 1, (n,), generator=g)
+    responses = torch.randint(args.response[0], args.response[1] + 1, (n,), generator=g)
+    P, R = int(prompts.max()), int(responses.max())
+    cols = torch.arange(P + R)
+    attn = ((cols[None] >= P - prompts[:, None]) & (cols[None] < P + responses[:, None])).long()
+    resp = (torch.arange(R)[None] < responses[:, None]).float()
+    return dict(tokens=torch.randint(1, vocab, (n, P + R), generator=g) * attn, attention_mask=attn,
+                response_mask=resp, advantages=torch.randn(n, 1, generator=g) * resp)
+
+
+def samples_per_rank(args, memory_run: bool = False) -> int:
+    """Enough samples for about --micro-batches full micro-batches (--memory-micro-batches in
+    memory runs: their peak needs one full micro-batch, not many)."""
+    if args.samples:
+        return args.samples
+    mean = (sum(args.prompt) + sum(args.response)) / 2
+    return max(1, round((args.memory_micro_batches if memory_run else args.micro_batches) * args.budget / mean))
+
+
+# ----------------------------------------------------------------------------- one run, one rank
+def run_config(args, name: str) -> dict:
+    """The run's full config (as the trainer validates it): the actor's DP slice of the batch is one
+    mini-batch, packed up to --budget tokens per micro-batch."""
+    from mcore_rl import config as C
+
+    mini = samples_per_rank(args, RUNS[name][2]) * args.gpus
+    cfg = C.config_from_dict(C.apply_overrides({"model": {"hf_config": args.hf_cfg}}, [
+        f"model.dtype={'fp32' if args.cpu else 'bf16'}", f"parallel.ep={args.gpus}",
+        f"cluster.n_gpus_per_node={args.gpus}", f"cluster.device={'cpu' if args.cpu else 'gpu'}",
+        "rollout.engine=embedded", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus",
+        "data.task=copy_last", f"data.train_batch_size={mini}", f"actor.ppo_mini_batch_size={mini}",
+        "actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={args.budget}",
+        f"data.max_prompt_length={args.prompt[1]}", f"rollout.max_response_len={args.response[1]}",
+        *_overrides_of(args, name)]))
+    return C.to_dict(C.validate_config(cfg))
+
+
+def _overrides_of(args, name: str) -> list[str]:
+    overrides, _, _ = RUNS[name]
+    return [*args.set, *(o.replace("{half}", str(max(1, args.layers // 2))) for o in overrides)]
+
+
+class MemoryProbe:
+    """Peaks before and during the optimizer step (mcore_rl.optim.step, as the actor calls it)."""
+
+    def __init__(self):
+        from mcore_rl import optim
+
+        self.real, self.before, self.during = optim.step, 0, 0
+        optim.step = self.step
+
+    def step(self, model, opt):
+        if torch.cuda.is_available():
+            self.before = max(self.before, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        out = self.real(model, opt)
+        if torch.cuda.is_available():
+            self.during = max(self.during, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()  # the next forward/backward starts clean
+        return out
+
+    def reset(self):
+        self.before = self.during = 0
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+
+def plan_inputs(actor, cfg: dict, tokens: int, responses: int) -> dict:
+    """PlanInputs for this run, at the largest micro-batch the actor packed (its tokens and its
+    response tokens): the planner runs in the parent, which can build megatron's unsharded skeleton."""
+    from mcore_rl.config import recompute_choice
+
+    mode, layers, modules = recompute_choice(cfg["memory"])
+    opts = actor._optim_options()
+    return dict(capacity=0, world=torch.distributed.get_world_size(), ep=actor.layout.ep, dtype=cfg["model"]["dtype"],
+                micro_tokens=tokens, response_tokens=responses, recompute=mode, recompute_layers=layers,
+                recompute_modules=modules, optimizer_offload_fraction=opts["offload_fraction"],
+                fused_logprobs=actor._fused_logprobs, fused_adam=opts["fused_adam"], grad_fp32=opts["grad_fp32"],
+                distributed_optimizer=cfg["actor"]["use_distributed_optimizer"])
+
+
+def planner(hf_cfg: dict, inputs: dict) -> dict:
+    """The planner's per-GPU prediction: states, activations, optimizer-step temporaries, peak."""
+    from mcore_rl.memory.planner import PlanInputs, activation_bytes, step_temporary_bytes, trainer_bytes
+    from mcore_rl.models.config import HFModel
+
+    hf, i = HFModel.from_dict(hf_cfg), PlanInputs(**inputs)
+    parts = trainer_bytes(hf, i, 0)
+    states = sum(v for k, v in parts.items() if k != "megatron activations")
+    return dict(states_gib=states / GiB, activations_gib=activation_bytes(hf, i, 0) / GiB,
+                step_temporaries_gib=step_temporary_bytes(hf, i, 0) / GiB,
+                peak_gib=sum(parts.values()) / GiB, parts_gib={k: v / GiB for k, v in parts.items()})
+
+
+def _profiled_update(actor, batch, rank: int, path: str, sync) -> dict | None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks import profile_breakdown
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        with record_function("bench/step"):
+            actor.update(batch)
+            sync()
+    if rank:
+        return None
+    prof.export_chrome_trace(path)
+    return profile_breakdown.from_file(path)
+
+
+def one_run(rank: int, args, name: str, port: int, hf_dir: str, probe: MemoryProbe) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from benchmarks.flops import active_params, sequences_flops
+    from mcore_rl.actor import MegatronActor
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    cfg = run_config(args, name)
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    t0 = time.perf_counter()
+    actor = MegatronActor(rank, args.gpus, port, hf_dir, cfg)
+    build_s = time.perf_counter() - t0
+    dp = actor.ps.get_data_parallel_world_size()
+    memory_run = RUNS[name][2]
+    batch = rl_batch(args, samples_per_rank(args, memory_run) * dp, actor.hf.vocab_size)
+    sl = actor._dp_slice(len(batch["tokens"]))
+    old = torch.zeros_like(batch["response_mask"])
+    old[sl] = actor.log_probs(batch)  # the policy's own: PPO ratios near 1, as in RL
+    batch["old_log_probs"] = old
+    local = {k: v[sl] for k, v in batch.items()}
+    lengths = local["attention_mask"].sum(1).tolist()
+    responses = local["response_mask"].sum(1)
+    flops = sequences_flops(active_params(actor.model, actor.hf), actor.hf, lengths)
+
+    plans = []
+    real_plan = actor._micro_plan
+    actor._micro_plan = lambda lens, sizes: plans.append(real_plan(lens, sizes)) or plans[-1]
+    steps, warmup = (args.memory_steps, 1) if memory_run else (args.steps, args.warmup)
+    times, states = [], 0
+    for step in range(warmup + steps):
+        if step == warmup:
+            sync()
+            states = torch.cuda.memory_allocated() if gpu else 0
+            probe.reset()
+        t = time.perf_counter()
+        stats = actor.update(batch)
+        sync()
+        if step >= warmup:
+            times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated() if gpu else 0
+    plan = plans[-1]
+    tokens_max = max(pad for _, pad in plan)
+    responses_max = max(int(responses[rows].sum()) for rows, _ in plan)
+    res = dict(build_s=build_s, times_s=times, median_s=statistics.median(times), flops=flops,
+               tokens=sum(lengths), samples=len(lengths), micro_batches=len(plan),
+               micro_tokens_max=tokens_max, micro_tokens_mean=sum(lengths) / len(plan),
+               response_tokens_max=responses_max, grad_norm=(stats or {}).get("actor/grad_norm"),
+               plan_inputs=plan_inputs(actor, cfg, tokens_max, responses_max))
+    if gpu:
+        res.update(states_gib=states / GiB, fwd_bwd_peak_gib=probe.before / GiB, step_peak_gib=probe.during / GiB,
+                   peak_gib=max(peak, probe.before, probe.during) / GiB)
+    if args.profile and not memory_run:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        path = os.path.join(args.trace_dir, f"{name}_rank{rank}.trace.json")
+        res["profile"] = _profiled_update(actor, batch, rank, path, sync)
+        if rank == 0 and not args.trace:
+            os.remove(path)
+    del actor._micro_plan, actor, real_plan  # the next run measures its own memory
+    gc.collect()  # megatron's DDP hooks hold the model in reference cycles
+    if gpu:
+        torch.cuda.empty_cache()
+    return res
+
+
+def worker(rank: int, args, names: list[str], skip: tuple, port: int, hf_dir: str, results):
+    os.environ["LOCAL_RANK"] = str(rank)
+    from mcore_rl import compat
+
+    if skip:
+        os.environ[compat.SKIP_ENV] = ",".join(skip)
+    probe = MemoryProbe()
+    for name in names:
+        try:
+            res = one_run(rank, args, name, port, hf_dir, probe)
+        except Exception as e:  # e.g. out of memory (on every rank alike): report it, go on
+            import traceback
+
+            traceback.print_exc()
+            res = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        results.put((rank, name, res))
+
+
+def checks_worker(rank: int, hf_cfg: dict, port: int, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from benchmarks import gpu_checks
+    from mcore_rl.parallel import Layout, init_distributed
+
+    init_distributed(Layout())
+    results.put(gpu_checks.run_all(hf_cfg))
+
+
+# ----------------------------------------------------------------------------- the parent
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "moonlight_16b.yaml"),
+                   help="a config holding model.hf_config (the model's real widths)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (Moonlight: the first is dense)")
+    p.add_argument("--gpus", type=int, default=1, help="processes; EP = this")
+    p.add_argument("--runs", default=DEFAULT_RUNS, help=f"comma-separated, of: {', '.join(RUNS)}")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
+    p.add_argument("--budget", type=int, default=16384, help="packed tokens per micro-batch (ppo_max_token_len_per_gpu)")
+    p.add_argument("--micro-batches", type=int, default=8, help="about this many micro-batches per update")
+    p.add_argument("--samples", type=int, default=0, help="samples per rank (0: from --micro-batches)")
+    p.add_argument("--prompt", type=int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--response", type=int, nargs=2, default=[256, 3072], metavar=("MIN", "MAX"))
+    p.add_argument("--steps", type=int, default=3, help="timed updates per throughput run")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--memory-steps", type=int, default=1, help="timed updates per memory run (after one warm-up)")
+    p.add_argument("--memory-micro-batches", type=int, default=2, help="about this many micro-batches per memory run")
+    p.add_argument("--profile", action="store_true", help="profile one more update of each throughput run")
+    p.add_argument("--trace", action="store_true", help="keep rank 0's chrome traces (beside --out)")
+    p.add_argument("--checks", action="store_true", help="first run benchmarks/gpu_checks.py on one GPU")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="configs/tiny_cpu.yaml's model")
+    p.add_argument("--out", default="actor_bench.json")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.runs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names:
+        p.error(f"--runs: unknown {unknown}; known: {', '.join(RUNS)}")
+    args.names = names
+    if not args.cpu and torch.cuda.device_count() < args.gpus:
+        p.error(f"--gpus {args.gpus} but {torch.cuda.device_count()} visible")
+    if args.checks and args.cpu:
+        p.error("--checks needs a GPU")
+    if min(args.prompt + args.response) < 1 or args.prompt[0] > args.prompt[1] or args.response[0] > args.response[1]:
+        p.error("--prompt/--response: 1 <= MIN <= MAX")
+    if args.prompt[1] + args.response[1] > args.budget:
+        p.error(f"--budget {args.budget} is below the longest sample ({args.prompt[1] + args.response[1]} tokens)")
+    if args.steps < 1 or args.memory_steps < 1:
+        p.error("--steps and --memory-steps must be at least 1")
+    args.trace_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "traces")
+    from benchmarks.shapes import hf_config
+
+    args.hf_cfg = hf_config("tiny_cpu.yaml" if args.tiny else args.config, args.layers)
+    if args.layers != args.hf_cfg["num_hidden_layers"]:
+        args.layers = args.hf_cfg["num_hidden_layers"]
+    from mcore_rl import config as C
+
+    try:  # every run's config, checked before any process starts
+        for n in names:
+            run_config(args, n)
+    except C.ConfigError as e:
+        p.error(str(e))
+    return args
+
+
+def _spawned(target, nprocs: int, extra: tuple, count: int, on_result=None) -> list:
+    """Start `nprocs` processes of `target` and collect `count` results, each passed to on_result as
+    it arrives (raising if a process dies first)."""
+    from benchmarks.rl_sync import shutdown, wait_for
+
+    results = torch.multiprocessing.get_context("spawn").Queue()
+    ctx = torch.multiprocessing.start_processes(target, args=(*extra, results), nprocs=nprocs, join=False,
+                                                start_method="spawn")
+    try:
+        got = []
+        for _ in range(count):
+            got.append(wait_for(results, ctx.processes, target.__name__))
+            if on_result:
+                on_result(*got[-1])
+        ctx.join()
+        return got
+    finally:
+        shutdown(ctx.processes, 30)
+
+
+def run(args) -> dict:
+    from benchmarks.flops import MATMUL_PEAK
+    from mcore_rl.parallel import free_port
+
+    report = dict(device="cpu" if args.cpu else torch.cuda.get_device_name(), torch=torch.__version__,
+                  gpus=args.gpus, ep=args.gpus, layers=args.layers, budget=args.budget,
+                  prompt=args.prompt, response=args.response, samples_per_rank=samples_per_rank(args),
+                  samples_per_rank_memory_runs=samples_per_rank(args, True),
+                  command="python benchmarks/actor_bench.py " + " ".join(sys.argv[1:]), runs={})
+    if args.checks:
+        report["checks"] = _spawned(checks_worker, 1, (args.hf_cfg, free_port()), 1)[0]
+    peak = report.get("checks", {}).get("matmul_peak_tflops", 0) * 1e12 or None
+    groups: dict[tuple, list[str]] = {}
+    for n in args.names:
+        groups.setdefault(RUNS[n][1], []).append(n)
+    with tempfile.TemporaryDirectory() as hf_dir:
+        with open(os.path.join(hf_dir, "config.json"), "w") as f:
+            json.dump(args.hf_cfg, f)
+        for skip, names in groups.items():
+            per_run: dict[str, dict] = {}
+
+            def collect(rank, name, res):
+                if "plan_inputs" in res:
+                    res["planner"] = planner(args.hf_cfg, res["plan_inputs"])
+                per_run.setdefault(name, {})[rank] = res
+                if len(per_run[name]) == args.gpus:  # a run is complete: keep what is known so far
+                    ranks = [per_run[name][r] for r in range(args.gpus)]
+                    report["runs"][name] = summarize(name, ranks, args, peak or MATMUL_PEAK, skip)
+                    write_json(report, args.out)
+
+            _spawned(worker, args.gpus, (args, names, skip, free_port(), hf_dir), args.gpus * len(names), collect)
+    report["runs"] = {n: report["runs"][n] for n in args.names if n in report["runs"]}  # in the order asked for
+    return report
+
+
+def write_json(report: dict, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+def summarize(name: str, ranks: list[dict], args, peak: float, skip) -> dict:
+    from benchmarks.flops import MATMUL_PEAK
+
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        return dict(overrides=_overrides_of(args, name), patches_skipped=list(skip), error=errors[0])
+    r0 = ranks[0]
+    median = r0["median_s"]
+    tflops = sum(r["flops"] for r in ranks) / len(ranks) / median / 1e12
+    out = dict(overrides=_overrides_of(args, name), patches_skipped=list(skip), median_s=median,
+               times_s=r0["times_s"], build_s=r0["build_s"], tflops_per_gpu=tflops,
+               pct_of_790=100 * tflops * 1e12 / MATMUL_PEAK, pct_of_measured_peak=100 * tflops * 1e12 / peak,
+               tokens_per_gpu=sum(r["tokens"] for r in ranks) / len(ranks),
+               tokens_per_s_per_gpu=sum(r["tokens"] for r in ranks) / len(ranks) / median,
+               micro_batches=r0["micro_batches"], micro_tokens_max=max(r["micro_tokens_max"] for r in ranks),
+               response_tokens_max=max(r["response_tokens_max"] for r in ranks), grad_norm=r0["grad_norm"],
+               ranks=ranks)
+    if "peak_gib" in r0:
+        worst = max(ranks, key=lambda r: r["peak_gib"])
+        out.update(peak_gib=worst["peak_gib"], planner_gib=worst["planner"]["peak_gib"],
+                   planner_err_pct=100 * (worst["planner"]["peak_gib"] - worst["peak_gib"]) / worst["peak_gib"])
+    if r0.get("profile"):
+        out["profile"] = r0["profile"]
+    return out
+
+
+def print_tables(report: dict) -> None:
+    from benchmarks import profile_breakdown
+
+    print(f"\n{report['device']} x {report['gpus']} (EP {report['ep']}), {report['layers']} layers, "
+          f"{report['samples_per_rank']} samples/GPU of {report['prompt'][0]}-{report['prompt'][1]} + "
+          f"{report['response'][0]}-{report['response'][1]} tokens, micro-batches <= {report['budget']} tokens")
+    checks = report.get("checks")
+    if checks:
+        att, head = checks["attention"], checks["head"]
+        print(f"matmul peak {checks['matmul_peak_tflops']:.0f} TFLOP/s; varlen attention "
+              + (f"{'ok' if att['ok'] else 'MISMATCH'} (logits err vs fp32: sdpa {att['sdpa_logits_err']:.2e}, "
+                 f"varlen {att['varlen_logits_err']:.2e}; grads max {att['sdpa_grads_err_max']:.2e} / "
+                 f"{att['varlen_grads_err_max']:.2e}; fwd+bwd {att['sdpa_attention_fwd_bwd_ms']:.2f} vs "
+                 f"{att['varlen_attention_fwd_bwd_ms']:.2f} ms)" if att["available"] else "unavailable"))
+        print("head bytes per T*V / n*V: " + ", ".join(
+            f"{k} {head[k]['bytes_per_TV']:.2f} / {head[k]['bytes_per_nV']:.2f} ({head[k]['ms_half']:.1f} ms at n=T/2)"
+            for k in ("plain", "fused")))
+    head = (f"{'run':<16}{'step s':>8}{'tok/s/GPU':>11}{'TFLOP/s':>9}{'%790':>6}{'%meas':>7}{'mb':>4}{'T max':>7}"
+            f"{'peak GiB':>10}{'plan GiB':>10}{'err %':>7}{'states':>8}{'fwd/bwd':>9}{'step':>7}")
+    print(head)
+    print("-" * len(head))
+    for name, r in report["runs"].items():
+        if "error" in r:
+            print(f"{name:<16}FAILED: {r['error'][:120]}")
+            continue
+        mem = (f"{r['peak_gib']:>10.1f}{r['planner_gib']:>10.1f}{r['planner_err_pct']:>7.1f}"
+               f"{r['ranks'][0]['states_gib']:>8.1f}{r['ranks'][0]['fwd_bwd_peak_gib']:>9.1f}"
+               f"{r['ranks'][0]['step_peak_gib']:>7.1f}") if "peak_gib" in r else f"{'-':>10}{r['ranks'][0]['planner']['peak_gib']:>10.3f}"
+        print(f"{name:<16}{r['median_s']:>8.3f}{r['tokens_per_s_per_gpu']:>11.0f}{r['tflops_per_gpu']:>9.1f}"
+              f"{r['pct_of_790']:>6.1f}{r['pct_of_measured_peak']:>7.1f}{r['micro_batches']:>4}"
+              f"{r['micro_tokens_max']:>7}{mem}")
+    for name, r in report["runs"].items():
+        if r.get("profile"):
+            print(f"\nprofile of one update, {name} (rank 0):")
+            print(profile_breakdown.table(r["profile"]))
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    report = run(args)
+    print_tables(report)
+    write_json(report, args.out)
+    return 1 if any("error" in r for r in report["runs"].values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
