@@ -81,7 +81,13 @@ def test_gpu_count_and_parallel_layout_checks():
                                                             "cluster.rollout_gpus": 2, "parallel.tp": 4}))
     assert "rollout_gpus must be in [1, 7]" in errors_of(gpu_overrides(8, **{"cluster.colocate": False}))
     assert "rollout.tp_size = 3 must divide" in errors_of(gpu_overrides(8, **{"rollout.tp_size": 3}))
-    assert "needs cluster.device 'gpu'" in errors_of(["rollout.engine=sglang"])
+    # SGLang runs on CPU too now; what is refused is a layout the rollout cannot take
+    assert "rollout.engine 'embedded' samples on the trainer's own shards" in errors_of(gpu_overrides(
+        8, **{"rollout.engine": "embedded", "cluster.colocate": False, "cluster.rollout_gpus": 2}))
+    assert "sync_transport 'ipc' needs cluster.colocate: true" in errors_of(gpu_overrides(
+        8, **{"rollout.sync_transport": "ipc", "cluster.colocate": False, "cluster.rollout_gpus": 2}))
+    assert "spans nodes: it must be a multiple" in errors_of(gpu_overrides(
+        8, **{"cluster.nnodes": 2, "cluster.n_gpus_per_node": 4, "rollout.tp_size": 6}))
     assert "must split evenly over data-parallel size" in errors_of(
         gpu_overrides(8, **{"actor.ppo_mini_batch_size": 1, "data.train_batch_size": 1, "rollout.n": 2}))
 
