@@ -1,0 +1,178 @@
+"""The RL loop as users run it, timed: `python -m mcore_rl.train` with SGLang doing the rollout,
+then the same engine alone on the same GPUs generating the same batch shape.
+
+    python benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml [key=value ...] --out r.json
+
+Reports, per step (medians over steps 2..N; step 1 warms up): each phase's seconds (rollout;
+release + trainer onload; old log-probs; update; trainer offload + resume weights + sync + resume
+KV), SGLang's generation tokens/s in the loop and alone, the sync's seconds and GB/s (bytes the
+trainer sent, over the sync's wall time), the update's TFLOP/s per GPU (6 x active parameters +
+causal attention per token, over the update's wall time) and % of the measured 790 TFLOP/s bf16
+peak, and the peak GPU memory (NVML, sampled every 0.2 s, all processes) against the memory plan
+(`mcore_rl.plan`). Prints a table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.flops import MATMUL_PEAK, attention_flops_per_token  # noqa: E402
+
+PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
+          "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "timing/resume_kv_cache")
+
+
+def active_params(hf) -> float:
+    """Non-embedding parameters a token passes through (routed experts x topk / E), from the config."""
+    from mcore_rl.memory.layout import inventory
+
+    dense = sum(w.numel for w in inventory(hf) if w.expert is None and "embedding" not in w.mcore
+                and w.split != "buffer")
+    routed = sum(w.numel for w in inventory(hf) if w.expert is not None)
+    return dense + (routed * hf.get("num_experts_per_tok") / hf.num_experts if hf.num_experts else 0)
+
+
+class GpuPeak:
+    """Peak NVML used memory per GPU while running."""
+
+    def __init__(self):
+        from mcore_rl.memory.gpus import all_gpus
+
+        self.read, self.peak, self.stop = all_gpus, {}, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self):
+        while not self.stop.is_set():
+            for g in self.read():
+                self.peak[g.index] = max(self.peak.get(g.index, 0), g.used)
+            time.sleep(0.2)
+
+    def close(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        return {i: round(b / 2**30, 2) for i, b in sorted(self.peak.items())}
+
+
+def run_loop(config: str, overrides: list[str], out: str) -> dict[int, dict]:
+    cmd = [sys.executable, "-m", "mcore_rl.train", "--config", config, f"trainer.output_dir={out}",
+           "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false", *overrides]
+    p = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True)
+    if p.returncode:
+        sys.exit("the RL loop failed:\n" + (p.stdout + p.stderr)[-4000:])
+    steps: dict[int, dict] = {}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            steps.setdefault(r["step"], {}).update(r)
+    return steps
+
+
+def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int, repeats: int = 3) -> float:
+    """Generation tokens/s of the same SGLang engine on the same GPUs, without the trainer."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from mcore_rl.rollout.base import SamplingParams
+    from mcore_rl.rollout.group import EngineSlot
+    from mcore_rl.rollout.launch import start_sglang
+    from mcore_rl.rollout.placement import plan_placement
+    from mcore_rl.sync.plan import EngineLayout
+
+    placement = plan_placement(cfg)
+    tp = cfg.rollout.tp_size
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        slots = []
+        for nodes in placement.engines:
+            pg = placement_group([{"GPU": len(n.gpus), "CPU": 1} for n in nodes], strategy="PACK")
+            ray.get(pg.ready())
+            slots += [EngineSlot(n.engine, n.node_rank, pg, i, None, owns_pg=True) for i, n in enumerate(nodes)]
+        group = start_sglang(cfg, model_dir, slots, EngineLayout(tp, cfg.rollout.ep_size, placement.nnodes,
+                                                                 tp // placement.nnodes), tp)
+        try:
+            prompts = [[5 + (i + j) % 11 for j in range(prompt_len)] for i in range(batch)]
+            params = SamplingParams(n=1, temperature=cfg.rollout.temperature, max_new_tokens=max_new, seed=1)
+            rates = []
+            for _ in range(repeats + 1):  # the first warms up
+                t0 = time.perf_counter()
+                done = group.generate(prompts, params)
+                rates.append(sum(len(c.token_ids) for g in done for c in g) / (time.perf_counter() - t0))
+            return statistics.median(rates[1:])
+        finally:
+            group.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    from mcore_rl import config as C
+    from mcore_rl.models.config import HFModel
+    from mcore_rl.plan import plan_for_config
+
+    cfg = C.load_config(a.config, a.overrides)
+    hf = HFModel.from_dict(C.hf_model_dims(cfg.model))
+    work = tempfile.mkdtemp(prefix="rl_loop_bench_")
+    peak = GpuPeak()
+    t0 = time.perf_counter()
+    steps = run_loop(a.config, a.overrides, os.path.join(work, "run"))
+    wall = time.perf_counter() - t0
+    peaks = peak.close()
+    timed = [s for k, s in sorted(steps.items()) if k >= 2 and "reward/mean" in s]
+    med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
+    gpus = C.actor_gpus(cfg)
+    B = cfg.data.train_batch_size * cfg.rollout.n
+    prompt = statistics.mean(len(p) for p in __import__("mcore_rl.data.prompts", fromlist=["x"])
+                             .load_prompt_sources(cfg)[0].prompts[:256])
+    seq = prompt + med("response/length")
+    tokens = B * seq
+    flops = tokens * (6 * active_params(hf) + attention_flops_per_token(hf, int(seq))) * cfg.actor.ppo_epochs
+    update_s = med("timing/update_actor")
+    sync_s, sync_b = med("sync/seconds"), med("sync/bytes")
+    alone = engine_alone(cfg, os.path.join(work, "run", "engine_hf"), B, int(round(prompt)),
+                         cfg.rollout.max_response_len)
+    try:
+        plan, _ = plan_for_config(cfg)
+        planned = {ph: round(plan.total(ph) / 2**30, 2) for ph in ("train", "sync", "rollout")}
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        planned = {"error": str(e)}
+    result = dict(config=a.config, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),
+                  phases_s={k: med(k) for k in PHASES}, step_s=med("timing/step"),
+                  rollout_tokens_per_s=med("perf/rollout_tokens_per_s"), engine_alone_tokens_per_s=alone,
+                  response_length=med("response/length"), sync_s=sync_s, sync_bytes=sync_b,
+                  sync_gb_per_s=sync_b / sync_s / 1e9 if sync_s else None,
+                  update_tflops_per_gpu=flops / update_s / gpus / 1e12,
+                  update_pct_of_790=100 * flops / update_s / gpus / MATMUL_PEAK,
+                  logp_diff_abs_mean=med("rollout/logp_diff_abs_mean"), reward=[s.get("reward/mean") for s in timed],
+                  peak_gpu_gib=peaks, planned_gib=planned, first_sync=steps.get(0, {}))
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{'phase':<28}{'median s':>10}")
+    for k, v in result["phases_s"].items():
+        print(f"{k:<28}{v if v is None else round(v, 3):>10}")
+    for k in ("step_s", "rollout_tokens_per_s", "engine_alone_tokens_per_s", "sync_s", "sync_gb_per_s",
+              "update_tflops_per_gpu", "update_pct_of_790", "logp_diff_abs_mean"):
+        v = result[k]
+        print(f"{k:<28}{v if v is None else round(v, 4):>10}")
+    print("peak GPU GiB", peaks, "planned", planned)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On a lent GPU machine whose /tmp/sglang-site holds SGLang, Ray and megatron-core (see
+# ../shared/tools/sglang-gpu and scripts/gpu/stage_extra.sh): run one part of the GPU evidence,
+# writing logs and JSON under $OUT.  bash scripts/gpu/session.sh PART [PART ...]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=/tmp/sglang-site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+quiet() { grep -v "Ignore import\|SyntaxWarning\|warnings.warn\|quant_api\|Configuration class\|UserWarning"; }
+train() {  # name, then overrides
+  local name=$1; shift
+  timeout 420 python3 -m mcore_rl.train --config configs/tiny_gpu.yaml trainer.output_dir=/tmp/$name \
+    trainer.save_freq=-1 "$@" 2>&1 | quiet > "$OUT/$name.log"
+  cp /tmp/$name/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
+  python3 - "$OUT/$name.jsonl" "$name" <<'PY'
+import json, statistics, sys
+steps = {}
+for line in open(sys.argv[1]):
+    r = json.loads(line); steps.setdefault(r["step"], {}).update(r)
+tr = [s for k, s in sorted(steps.items()) if k > 0 and "reward/mean" in s]
+m = lambda k: round(statistics.median(s[k] for s in tr[1:] if k in s), 4)
+print(sys.argv[2], "steps", len(tr), "reward first3", round(sum(s["reward/mean"] for s in tr[:3]) / 3, 3),
+      "last3", round(sum(s["reward/mean"] for s in tr[-3:]) / 3, 3), "first sync", steps[0].get("sync/verified"),
+      "logp diff max", round(max(s["rollout/logp_diff_abs_mean"] for s in tr), 5), "median step", m("timing/step"),
+      "rollout", m("timing/rollout"), "sync", m("sync/seconds"), "to_rollout", m("timing/to_rollout"))
+PY
+}
+for part in "$@"; do
+  case $part in
+    colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 trainer.total_training_steps=20 ;;
+    separate) train separate cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 trainer.total_training_steps=20 ;;
+    single) train single trainer.total_training_steps=30 ;;
+    multinode) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --out "$OUT/multinode.json" 2>&1 | quiet | tail -30 ;;
+    actor) timeout 580 python3 benchmarks/actor_bench.py --gpus 2 --layers 8 --budget 16384 --micro-batches 6 --steps 2 \
+             --checks --profile --runs baseline,optimized --out "$OUT/actor_h200x2.json" 2>&1 | quiet | tail -60 ;;
+    loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
