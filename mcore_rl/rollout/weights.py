@@ -46,7 +46,8 @@ class WeightSync:
         master = rendezvous_on(actors.pg, 0) if kind == "broadcast" else None  # trainer rank 0's node
         spec = SyncSpec(plan, engines.weight_target(), kind, engines.engines,
                         slot_of={t: k * layout.tp_size + r for t, (k, r) in (feed or {}).items()},
-                        master=master, disk_dir=os.path.join(run_dir, "sync_disk"), hf_dir=hf_dir)
+                        master=master, disk_dir=os.path.join(run_dir, "sync_disk"), hf_dir=hf_dir,
+                        timeout_s=cfg.rollout.timeout_s)
         actors.call("setup_sync", spec)
         self.kind, self.syncs = kind, 0
 

@@ -34,6 +34,7 @@ class SyncSpec:
     master: tuple[str, int] | None = None  # broadcast: where the update group meets (trainer rank 0)
     disk_dir: str | None = None  # disk: where versions are written
     hf_dir: str | None = None  # disk: side files (config, tokenizer) copied beside the weights
+    timeout_s: float = 600.0  # broadcast: an engine that never receives is an error after this long
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -57,7 +58,7 @@ class SyncSession:
                 addr, port = spec.master
                 group = T.open_update_group(spec.target, addr, port, spec.engines * spec.plan.engine.tp_size,
                                             backend="nccl" if cuda else "gloo")
-            self.transport = T.NcclBroadcastTransport(spec.target, group)
+            self.transport = T.NcclBroadcastTransport(spec.target, group, timeout_s=spec.timeout_s)
         else:
             self.transport = T.DiskTransport(spec.target, spec.disk_dir, spec.hf_dir)
 

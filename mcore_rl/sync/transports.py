@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -114,6 +115,9 @@ class _Concurrently:
         except BaseException as e:  # noqa: BLE001 - handed to the joining thread
             self.error = e
 
+    def failed(self) -> bool:
+        return not self.thread.is_alive() and self.error is not None
+
     def join(self) -> None:
         self.thread.join()
         if self.error is not None:
@@ -124,9 +128,10 @@ class NcclBroadcastTransport(Transport):
     """The driver (rank `driver` of the trainer) is rank 0 of `update_group`; engine ranks 1..tp.
     Any backend works: NCCL on GPUs, gloo on CPU (the group decides)."""
 
-    def __init__(self, engine, update_group, group_name: str = "weight_update_group", driver: int = 0):
+    def __init__(self, engine, update_group, group_name: str = "weight_update_group", driver: int = 0,
+                 timeout_s: float = 600.0):
         super().__init__(engine, driver)
-        self.group, self.group_name = update_group, group_name
+        self.group, self.group_name, self.timeout_s = update_group, group_name, timeout_s
 
     def send(self, named, last):
         if not self.is_driver:
@@ -139,7 +144,15 @@ class NcclBroadcastTransport(Transport):
             load_format="flattened_bucket", flush_cache=last)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.group.broadcast([flat], opts).wait()
+        work = self.group.broadcast([flat], opts)
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():  # an engine that failed its receive must not leave us waiting
+            if call.failed():
+                call.join()  # raises the engine's error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the weight broadcast did not complete within {self.timeout_s:.0f}s "
+                                   "(an engine rank died or never joined the update group)")
+            time.sleep(0.005)
         call.join()
 
 

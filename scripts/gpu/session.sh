@@ -6,6 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/sglang-site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+export NCCL_CUMEM_ENABLE=0  # cuMem P2P between processes that each see one GPU failed here ('invalid argument')
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 quiet() { grep -v "Ignore import\|SyntaxWarning\|warnings.warn\|quant_api\|Configuration class\|UserWarning"; }
 train() {  # name, then overrides
@@ -28,7 +29,7 @@ PY
 }
 for part in "$@"; do
   case $part in
-    colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 trainer.total_training_steps=20 ;;
+    colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 actor.micro_batch_size=64 trainer.total_training_steps=20 ;;
     separate) train separate cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 trainer.total_training_steps=20 ;;
     single) train single trainer.total_training_steps=30 ;;
     multinode) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --out "$OUT/multinode.json" 2>&1 | quiet | tail -30 ;;
