@@ -44,12 +44,16 @@ def active_params(hf) -> float:
 
 
 class GpuPeak:
-    """Peak NVML used memory per GPU while running."""
+    """Peak NVML used memory per GPU while running (nothing without GPUs)."""
 
     def __init__(self):
-        from mcore_rl.memory.gpus import all_gpus
+        from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus
 
         self.read, self.peak, self.stop = all_gpus, {}, threading.Event()
+        try:
+            all_gpus()
+        except NvmlUnavailable:
+            self.read = list
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
 
@@ -91,16 +95,18 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
     from mcore_rl.sync.plan import EngineLayout
 
     placement = plan_placement(cfg)
-    tp = cfg.rollout.tp_size
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    tp, cpu = cfg.rollout.tp_size, cfg.cluster.device == "cpu"
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             **({"_node_ip_address": "127.0.0.1"} if cpu else {}))
     try:
         slots = []
         for nodes in placement.engines:
-            pg = placement_group([{"GPU": len(n.gpus), "CPU": 1} for n in nodes], strategy="PACK")
+            pg = placement_group([{"CPU": 1} if cpu else {"GPU": len(n.gpus), "CPU": 1} for n in nodes],
+                                 strategy="PACK")
             ray.get(pg.ready())
             slots += [EngineSlot(n.engine, n.node_rank, pg, i, None, owns_pg=True) for i, n in enumerate(nodes)]
         group = start_sglang(cfg, model_dir, slots, EngineLayout(tp, cfg.rollout.ep_size, placement.nnodes,
-                                                                 tp // placement.nnodes), tp)
+                                                                 tp // placement.nnodes), 0 if cpu else tp)
         try:
             prompts = [[5 + (i + j) % 11 for j in range(prompt_len)] for i in range(batch)]
             params = SamplingParams(n=1, temperature=cfg.rollout.temperature, max_new_tokens=max_new, seed=1)
@@ -147,11 +153,13 @@ def main() -> int:
     sync_s, sync_b = med("sync/seconds"), med("sync/bytes")
     alone = engine_alone(cfg, os.path.join(work, "run", "engine_hf"), B, int(round(prompt)),
                          cfg.rollout.max_response_len)
-    try:
-        plan, _ = plan_for_config(cfg)
-        planned = {ph: round(plan.total(ph) / 2**30, 2) for ph in ("train", "sync", "rollout")}
-    except Exception as e:  # noqa: BLE001 - reported, not fatal
-        planned = {"error": str(e)}
+    planned = {}
+    if cfg.cluster.device == "gpu":
+        try:
+            plan, _ = plan_for_config(cfg)
+            planned = {ph: round(plan.total(ph) / 2**30, 2) for ph in ("train", "sync", "rollout")}
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            planned = {"error": str(e)}
     result = dict(config=a.config, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),
                   phases_s={k: med(k) for k in PHASES}, step_s=med("timing/step"),
                   rollout_tokens_per_s=med("perf/rollout_tokens_per_s"), engine_alone_tokens_per_s=alone,
