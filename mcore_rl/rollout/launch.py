@@ -1,4 +1,4 @@
-"""Start the configured engines where the placement says, and wire the weight sync to them.
+"""Start the configured engines (SGLang or vLLM) where the placement says, and wire the weight sync to them.
 
     rollout, sync = launch(cfg, hf_dir, run_dir, actors, stop_ids)
 
@@ -27,19 +27,17 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
     """(rollout, weight sync or None)."""
     if cfg.rollout.engine == "embedded":
         return EmbeddedRollout(actors, pad_id), None
-    from mcore_rl.rollout import sglang as S
-
+    server, start = _server(cfg.rollout.engine), STARTERS[cfg.rollout.engine]
     placement = plan_placement(cfg)
     where = actors.call("where")
-    model_dir = S.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids, cfg.cluster.device)
+    model_dir = server.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids, cfg.cluster.device)
     layout = EngineLayout(cfg.rollout.tp_size, cfg.rollout.ep_size, placement.nnodes,
                           cfg.rollout.tp_size // placement.nnodes)
     if placement.colocate:
         slots, pg = _colocated_slots(placement, where, cfg.cluster.device), actors.pg
     else:
         slots, pg = own_slots(placement, cfg.cluster.device)
-    engines = start_sglang(cfg, model_dir, slots, pg, layout,
-                           ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node)
+    engines = start(cfg, model_dir, slots, pg, layout, ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node)
     try:
         feed = _feeds(placement, slots, where, layout) if placement.colocate else None
         sync = WeightSync(cfg, actors, engines, layout, feed, where, run_dir, model_dir)
@@ -47,6 +45,20 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
         engines.shutdown()
         raise
     return engines, sync
+
+
+def _server(engine: str):
+    """The module of `engine`'s server (imported only when that engine is used)."""
+    import importlib
+
+    return importlib.import_module(f"mcore_rl.rollout.{engine}")
+
+
+def _group(cfg: C.Config, server_cls, slots: list[EngineSlot], pg, layout: EngineLayout, gpu_share: float,
+           args_of, label: str, env: dict) -> EngineGroup:
+    return EngineGroup(server_cls, slots, args_of, pg=pg, device=cfg.cluster.device, tp_size=layout.tp_size,
+                       timeout_s=cfg.rollout.timeout_s, start_timeout_s=cfg.rollout.start_timeout_s,
+                       gpu_share=gpu_share, label=label, env=env)
 
 
 def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], pg, layout: EngineLayout,
@@ -58,11 +70,23 @@ def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], pg, lay
     mem_fraction = _mem_fraction(cfg)
     addrs = {s.engine: "%s:%d" % rendezvous_on(pg, s.bundle) for s in slots
              if s.node_rank == 0 and layout.nnodes > 1}
-    return EngineGroup(S.SGLangServer, slots,
-                       lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction),
-                       pg=pg, device=cfg.cluster.device, tp_size=layout.tp_size, timeout_s=cfg.rollout.timeout_s,
-                       start_timeout_s=cfg.rollout.start_timeout_s, gpu_share=gpu_share, label="SGLang",
-                       env=S.engine_env(cfg, layout))
+    return _group(cfg, S.SGLangServer, slots, pg, layout, gpu_share,
+                  lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction),
+                  "SGLang", S.engine_env(cfg, layout))
+
+
+def start_vllm(cfg: C.Config, model_dir: str, slots: list[EngineSlot], pg, layout: EngineLayout,
+               gpu_share: float) -> EngineGroup:
+    """vLLM engines on `slots` of placement group `pg`, one node each, started from `model_dir`."""
+    from mcore_rl.rollout import vllm as V
+
+    if layout.nnodes > 1:
+        raise PlanError(f"a vLLM engine runs on one node; this placement spreads one over {layout.nnodes}")
+    args = V.engine_args(cfg, model_dir, layout, _mem_fraction(cfg))
+    return _group(cfg, V.VLLMServer, slots, pg, layout, gpu_share, lambda s: args, "vLLM", V.engine_env(cfg, layout))
+
+
+STARTERS = {"sglang": start_sglang, "vllm": start_vllm}
 
 
 def _colocated_slots(placement, where: list[dict], device: str) -> list[EngineSlot]:
