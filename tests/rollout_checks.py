@@ -7,6 +7,7 @@ the engine against itself for seeds and order, process signals for hung and kill
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -56,6 +57,24 @@ def start(ray, starter, engine: str, model_dir: str, engines: int = 1, tp: int =
 def stop(ray, group):
     group.shutdown()
     ray.util.remove_placement_group(group.pg)
+
+
+@contextlib.contextmanager
+def running(ray, starter, engine: str, model_dir: str, **kwargs):
+    group = start(ray, starter, engine, model_dir, **kwargs)
+    try:
+        yield group
+    finally:
+        stop(ray, group)
+
+
+def make_models(root, families: tuple[str, ...], engine_model_dir) -> dict:
+    """{family: (transformers model, the engine's model dir)} of tiny random models under `root`."""
+    from tests.tiny_models import make_hf_model
+
+    return {fam: (make_hf_model(fam, str(root / fam)),
+                  engine_model_dir(str(root / fam), str(root / f"{fam}_engine"), [STOP], "cpu"))
+            for fam in families}
 
 
 def transformers_greedy(model, prompt: list[int], steps: int, stop_id: int = STOP):

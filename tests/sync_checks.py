@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from mcore_rl import config as C
@@ -71,6 +72,33 @@ def check_verified_grpo_steps(out: str, *overrides) -> None:
     assert sorted(steps) == [0, 1, 2, 3]
     assert all(steps[k]["sync/verified"] == 1.0 and steps[k]["rollout/logp_diff_abs_mean"] < 1e-3
                for k in (1, 2, 3)), steps
+
+
+def check_a_corrupted_tensor_fails(run, match: str) -> None:
+    """kv_b_proj of layer 1 sent slightly off: the sync's check fails (`match`); a good sync heals it."""
+    from mcore_rl.sync.checksum import WeightMismatch
+
+    cfg, group, engine, sync, source = run
+    group.call("run", corrupt_next_sync, "model.layers.1.self_attn.kv_b_proj.weight")
+    with pytest.raises(WeightMismatch, match=match):
+        sync(1, verify=True)
+    sync(2, verify=True)
+    assert logp_gap(cfg, group, engine, source) < 1e-3
+
+
+def check_a_skipped_sync_fails(run, match: str) -> None:
+    """The trainer moved but nothing reached the engines: the check fails (`match`) and so does the
+    engines' log-prob match; the next sync passes both."""
+    from mcore_rl.sync.checksum import WeightMismatch
+
+    cfg, group, engine, sync, source = run
+    group.call("run", perturb, 1.05)
+    group.call("run", skip_next_sync)
+    with pytest.raises(WeightMismatch, match=match):
+        sync(3, verify=True)
+    assert logp_gap(cfg, group, engine, source) > 1e-2
+    sync(4, verify=True)
+    assert logp_gap(cfg, group, engine, source) < 1e-3
 
 
 def corrupt_next_sync(actor, suffix: str):

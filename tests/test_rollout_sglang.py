@@ -16,28 +16,21 @@ import pytest
 from mcore_rl.rollout.launch import start_sglang
 from tests import rollout_checks as R
 from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
-from tests.tiny_models import make_hf_model
 
-start = functools.partial(R.start, starter=start_sglang, engine="sglang")
+running = functools.partial(R.running, starter=start_sglang, engine="sglang")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from mcore_rl.rollout.sglang import engine_model_dir
 
-    root = tmp_path_factory.mktemp("rollout_models")
-    out = {}
-    for fam in ("deepseek_v3", "qwen2"):
-        hf = make_hf_model(fam, str(root / fam))
-        out[fam] = (hf, engine_model_dir(str(root / fam), str(root / f"{fam}_engine"), [R.STOP], "cpu"))
-    return out
+    return R.make_models(tmp_path_factory.mktemp("rollout_models"), ("deepseek_v3", "qwen2"), engine_model_dir)
 
 
 @pytest.fixture(scope="module")
 def ds_two(ray_cluster, models):  # noqa: F811 - the fixture
-    group = start(ray_cluster, model_dir=models["deepseek_v3"][1], engines=2)
-    yield group
-    R.stop(ray_cluster, group)
+    with running(ray_cluster, model_dir=models["deepseek_v3"][1], engines=2) as group:
+        yield group
 
 
 def test_deepseek_greedy_tokens_and_logprobs_equal_transformers(ds_two, models):
@@ -61,19 +54,16 @@ def test_release_resume_then_generate(ds_two, models):
 
 
 def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - the fixture
-    group = start(ray_cluster, model_dir=models["qwen2"][1], engines=1, tp=2)
-    try:
+    with running(ray_cluster, model_dir=models["qwen2"][1], engines=1, tp=2) as group:
         R.check_against_transformers(group, models["qwen2"][0])
         digests = group.weight_digests()[0]
         assert sorted(digests) == [0, 1]  # both ranks read back
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
         assert digests[0][qkv][1] == [64, 64] and digests[0][qkv][3:] != digests[1][qkv][3:]  # split over TP
-    finally:
-        R.stop(ray_cluster, group)
 
 
 def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - the fixture
-    group = start(ray_cluster, model_dir=models["qwen2"][1], timeout_s=20)
+    group = R.start(ray_cluster, start_sglang, "sglang", models["qwen2"][1], timeout_s=20)
     procs = R.engine_processes(group)
     schedulers = [p for p in procs if "sglang" in " ".join(p.cmdline()).lower() or p.name().startswith("sglang")]
     R.check_hung_and_killed(ray_cluster, group, schedulers or procs, "SGLang")

@@ -21,28 +21,21 @@ from mcore_rl.rollout.base import EngineError, SamplingParams
 from mcore_rl.rollout.launch import start_vllm
 from tests import rollout_checks as R
 from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
-from tests.tiny_models import make_hf_model
 
-start = functools.partial(R.start, starter=start_vllm, engine="vllm")
+running = functools.partial(R.running, starter=start_vllm, engine="vllm")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from mcore_rl.rollout.vllm import engine_model_dir
 
-    root = tmp_path_factory.mktemp("rollout_models")
-    out = {}
-    for fam in ("deepseek_v3_vllm", "qwen2_vllm"):
-        hf = make_hf_model(fam, str(root / fam))
-        out[fam] = (hf, engine_model_dir(str(root / fam), str(root / f"{fam}_engine"), [R.STOP], "cpu"))
-    return out
+    return R.make_models(tmp_path_factory.mktemp("rollout_models"), ("deepseek_v3_vllm", "qwen2_vllm"), engine_model_dir)
 
 
 @pytest.fixture(scope="module")
 def ds_two(ray_cluster, models):  # noqa: F811 - the fixture
-    group = start(ray_cluster, model_dir=models["deepseek_v3_vllm"][1], engines=2)
-    yield group
-    R.stop(ray_cluster, group)
+    with running(ray_cluster, model_dir=models["deepseek_v3_vllm"][1], engines=2) as group:
+        yield group
 
 
 def test_deepseek_greedy_tokens_and_logprobs_equal_transformers(ds_two, models):
@@ -149,17 +142,14 @@ def test_a_bad_update_is_refused_and_the_engine_keeps_its_weights(ds_two, models
 
 
 def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - the fixture
-    group = start(ray_cluster, model_dir=models["qwen2_vllm"][1], engines=1, tp=2)
-    try:
+    with running(ray_cluster, model_dir=models["qwen2_vllm"][1], engines=1, tp=2) as group:
         R.check_against_transformers(group, models["qwen2_vllm"][0])
-    finally:
-        R.stop(ray_cluster, group)
 
 
 def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - the fixture
     """The engine core stopped: the deadline; killed mid-rollout: vLLM itself would block for ever
     (0.32), the watchdog makes it an error at once."""
-    group = start(ray_cluster, model_dir=models["qwen2_vllm"][1], timeout_s=20)
+    group = R.start(ray_cluster, start_vllm, "vllm", models["qwen2_vllm"][1], timeout_s=20)
     core = [p for p in R.engine_processes(group) if "EngineCore" in " ".join(p.cmdline())]
     assert len(core) == 1, [p.cmdline() for p in R.engine_processes(group)]
     R.check_hung_and_killed(ray_cluster, group, core, "vLLM")

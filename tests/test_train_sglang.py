@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.sync.checksum import WeightMismatch
-from tests.sync_checks import (BROADCAST, DISK, check_verified_grpo_steps, corrupt_next_sync, logp_gap, perturb,
-                               skip_next_sync, started_run)
+from tests.sync_checks import (BROADCAST, DISK, check_a_corrupted_tensor_fails, check_a_skipped_sync_fails,
+                               check_verified_grpo_steps, logp_gap, started_run)
 
 
 @pytest.fixture(scope="module")
@@ -30,24 +29,11 @@ def test_readback_passes_and_logprobs_match_after_a_sync(run):
 
 
 def test_a_corrupted_tensor_fails_the_readback(run):
-    cfg, group, engine, sync, source = run
-    name = "model.layers.1.self_attn.kv_b_proj.weight"
-    group.call("run", corrupt_next_sync, name)
-    with pytest.raises(WeightMismatch, match="kv_b_proj.weight differs"):
-        sync(1, verify=True)
-    sync(2, verify=True)  # a good sync heals it, and passes
-    assert logp_gap(cfg, group, engine, source) < 1e-3
+    check_a_corrupted_tensor_fails(run, "kv_b_proj.weight differs")
 
 
 def test_a_skipped_sync_fails_the_readback_and_the_logprob_match(run):
-    cfg, group, engine, sync, source = run
-    group.call("run", perturb, 1.05)  # the trainer moved ...
-    group.call("run", skip_next_sync)  # ... but nothing reached the engines
-    with pytest.raises(WeightMismatch, match="differs from the trainer's weights"):
-        sync(3, verify=True)
-    assert logp_gap(cfg, group, engine, source) > 1e-2
-    sync(4, verify=True)
-    assert logp_gap(cfg, group, engine, source) < 1e-3
+    check_a_skipped_sync_fails(run, "differs from the trainer's weights")
 
 
 @pytest.mark.parametrize("overrides", [BROADCAST, DISK], ids=["broadcast", "disk"])

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.sync.checksum import WeightMismatch
-from tests.sync_checks import (BROADCAST, DISK, VLLM_TINY, check_verified_grpo_steps, corrupt_next_sync, logp_gap,
-                               perturb, skip_next_sync, started_run, train)
+from tests.sync_checks import (BROADCAST, DISK, VLLM_TINY, check_a_corrupted_tensor_fails, check_a_skipped_sync_fails,
+                               check_verified_grpo_steps, logp_gap, started_run, train)
 from tests.test_train import _reward_rises, by_step
 
 PROBE_FAILED = "log-probs of the probe sequences differ from the trainer's"
@@ -44,23 +43,11 @@ def test_the_check_passes_and_logprobs_match_after_a_sync(run):
 
 
 def test_a_corrupted_tensor_fails_the_check(run):
-    cfg, group, engine, sync, source = run
-    group.call("run", corrupt_next_sync, "model.layers.1.self_attn.kv_b_proj.weight")
-    with pytest.raises(WeightMismatch, match=PROBE_FAILED):
-        sync(1, verify=True)
-    sync(2, verify=True)  # a good sync heals it, and passes
-    assert logp_gap(cfg, group, engine, source) < 1e-3
+    check_a_corrupted_tensor_fails(run, PROBE_FAILED)
 
 
 def test_a_skipped_sync_fails_the_check_and_the_logprob_match(run):
-    cfg, group, engine, sync, source = run
-    group.call("run", perturb, 1.05)  # the trainer moved ...
-    group.call("run", skip_next_sync)  # ... but nothing reached the engines
-    with pytest.raises(WeightMismatch, match=PROBE_FAILED):
-        sync(3, verify=True)
-    assert logp_gap(cfg, group, engine, source) > 1e-2
-    sync(4, verify=True)
-    assert logp_gap(cfg, group, engine, source) < 1e-3
+    check_a_skipped_sync_fails(run, PROBE_FAILED)
 
 
 @pytest.mark.parametrize("overrides", [BROADCAST, DISK], ids=["broadcast", "disk"])

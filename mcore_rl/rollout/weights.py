@@ -64,32 +64,34 @@ class WeightSync:
         self.syncs += 1
         out = {"sync/seconds": max(r["seconds"] for r in results), "sync/bytes": sum(r["bytes"] for r in results)}
         if verify:
-            self.verify(merge_expected(results))
-            out["sync/verified"] = 1.0
+            out.update(self.verify(merge_expected(results)), **{"sync/verified": 1.0})
         return out
 
-    def verify(self, expected: dict[int, dict[int, dict]]) -> None:
-        """`expected`: {engine: {tp rank: digests}} the trainer ranks sent (digest read-back only)."""
+    def verify(self, expected: dict[int, dict[int, dict]]) -> dict:
+        """`expected`: {engine: {tp rank: digests}} the trainer ranks sent (digest read-back only).
+        Raises WeightMismatch listing the problems; returns the check's metrics."""
         check = self._digest_problems if self.engines.readback == "digests" else self._logprob_problems
-        problems = check(expected)
+        problems, metrics = check(expected)
         if problems:
             more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
             raise WeightMismatch("weight sync read-back failed:\n  " + "\n  ".join(problems[:8]) + more)
+        return metrics
 
-    def _digest_problems(self, expected: dict[int, dict[int, dict]]) -> list[str]:
+    def _digest_problems(self, expected: dict[int, dict[int, dict]]) -> tuple[list[str], dict]:
         actual = self.engines.weight_digests()
         return [problem for k, name in enumerate(self.engines.head_names)
-                for problem in compare_engine(expected.get(k, {}), actual.get(k, {}), name)]
+                for problem in compare_engine(expected.get(k, {}), actual.get(k, {}), name)], {}
 
-    def _logprob_problems(self, expected=None) -> list[str]:
+    def _logprob_problems(self, expected=None) -> tuple[list[str], dict]:
         ours = torch.cat(self.actors.call("log_probs", probe_batch(self.probe)))
-        problems = []
+        problems, worst = [], 0.0
         for name, theirs in zip(self.engines.head_names, self.engines.prompt_logprobs(self.probe.tolist())):
             gap = (ours - torch.tensor(theirs)).abs().max().item()
+            worst = max(worst, gap)
             if not gap <= self.tol:
                 problems.append(f"{name}: its log-probs of the probe sequences differ from the trainer's by up to "
                                 f"{gap:.2e} (tolerance {self.tol:.0e}): its weights are not the trainer's")
-        return problems
+        return problems, {"sync/check_logprob_max_diff": worst}
 
 
 def probe_sequences(hf: HFModel, rows: int, length: int = 32) -> torch.Tensor:
