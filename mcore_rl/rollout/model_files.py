@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the model dtype as the engines name it
+
 # fields DeepSeek hub checkpoints carry that transformers' configs no longer write; the engines read them
 HUB_DEFAULTS = {"deepseek_v3": dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid"),
                 "deepseek_v2": dict(moe_layer_freq=1, topk_method="greedy", scoring_func="softmax")}

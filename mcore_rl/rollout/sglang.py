@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from mcore_rl.rollout import model_files
+from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.sync.plan import EngineLayout, PlanError
 
@@ -79,9 +80,6 @@ class EngineLaunch:
             elif v is not False and v is not None:
                 out += [flag, str(v)]
         return out
-
-
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_init_addr: str | None,

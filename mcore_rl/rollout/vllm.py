@@ -24,11 +24,11 @@ import threading
 import time
 
 from mcore_rl.rollout import model_files
+from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.sync.plan import EngineLayout
 
 WORKER_EXTENSION = "mcore_rl.rollout.vllm_worker.WeightUpdates"
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 WATCH_S = 0.5  # how often a waiting call looks at the engine's health
 SLEEP_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}  # ours -> vLLM's wake_up tags (no CUDA-graph tag)
@@ -50,6 +50,7 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, mem_fraction: float) 
         from mcore_rl.memory.planner import kv_bytes_per_token
         from mcore_rl.models.config import HFModel
 
+        # the planner counts 2-byte entries; the CPU cache holds the model dtype's
         per_token = kv_bytes_per_token(HFModel.from_dir(model_dir), layout.tp_size) * DTYPE_BYTES[cfg.model.dtype] // 2
         # its C++ rotary op is wrong for MLA's 3-D, strided queries on CPU (0.32); the torch one is right
         args.update(enforce_eager=True, kv_cache_memory_bytes=r.cpu_kv_tokens * per_token,
@@ -64,7 +65,8 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
     """Environment of the engine's processes."""
     env = {"VLLM_LOGGING_LEVEL": cfg.rollout.log_level.upper()}
     if cfg.cluster.device == "cpu":
-        # vLLM's automatic binding gives every engine core 0 (one NUMA node): bind only TP ranks
+        # vLLM's "auto" binding puts rank 0 of every engine on one core and refuses more ranks than
+        # NUMA nodes: one rank runs unbound, several get a core each
         cores = os.cpu_count() or 1
         binds = "|".join(str(i % cores) for i in range(layout.tp_size))
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind" if layout.tp_size == 1 else binds)
