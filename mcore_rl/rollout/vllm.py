@@ -20,6 +20,8 @@ of `mcore_rl.sync`'s transports, release/resume, health, shutdown. Tested with v
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -100,6 +102,9 @@ class VLLMServer:
         os.environ.update(env or {})
         if visible_devices is not None:  # the engine's GPUs, by physical index
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        # a temp dir of its own: vLLM's processes leave files in it (vllm_dist_*) when one is killed
+        self.tmp = tempfile.mkdtemp(prefix="mcore_rl_vllm_")
+        os.environ["TMPDIR"] = tempfile.tempdir = self.tmp
         import vllm
 
         self.version, self.device = vllm.__version__, device
@@ -227,3 +232,4 @@ class VLLMServer:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
