@@ -252,7 +252,7 @@ class MegatronActor:
         d = self._local(batch, ("tokens", "attention_mask", "response_mask"))
         R = d["response_mask"].shape[1]
         out = torch.zeros(len(d["tokens"]), R)
-        temperature = self.cfg["rollout"]["temperature"]
+        temperature = batch.get("temperature", self.cfg["rollout"]["temperature"])  # a sync check's is 1
         with record_function("actor/pack"):
             plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), self._sizes("critic" if values else "actor"))
             packs = self._packs(d, R, plan)

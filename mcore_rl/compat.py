@@ -330,6 +330,34 @@ PATCHES = (
           "tensor", _grad_norm_without_sync),
 )
 
+# ---- vLLM (the rollout engine of `rollout.engine=vllm`), patched where it is used -----------------
+VLLM_REPACK_VERSIONS = ("0.32.",)
+
+
+def vllm_repack_reloaded_experts(model, names: list[str]) -> list[str]:
+    """vllm_moe_reload_prepack: vLLM 0.32's in-place reload leaves MoE experts in checkpoint layout.
+    `UnquantizedFusedMoEMethod._setup_kernel` runs `moe_kernel.fused_experts.process_weights_after_loading`
+    (on CPU: the prepack into its grouped-GEMM layout) only when the kernel is first built, and a reload
+    finds it built; the experts then compute garbage, even after reloading identical weights. Run it
+    for the MoE layers whose experts `names` (HF names, one reload) contained. Only the prepack is
+    re-run, never twice for a load, so it must not run on a vLLM that fixed this: gated on version.
+    Returns the modules repacked."""
+    import vllm
+
+    if not vllm.__version__.startswith(VLLM_REPACK_VERSIONS):
+        log.warning("vLLM %s is not one vllm_moe_reload_prepack was written for (%s); not applied",
+                    vllm.__version__, VLLM_REPACK_VERSIONS)
+        return []
+    layers = {n.partition(".mlp.experts.")[0] for n in names if ".mlp.experts." in n}
+    done = []
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight") and name.partition(".mlp.")[0] in layers:
+            kernel.fused_experts.process_weights_after_loading(module)
+            done.append(name)
+    return done
+
+
 _applied: set[str] = set()
 
 # optional accelerators megatron-core falls back from: (name, module)

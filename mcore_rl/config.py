@@ -70,7 +70,7 @@ class ClusterConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["embedded", "sglang"] = "sglang"  # mcore_rl/rollout/: one file per engine
+    engine: Literal["embedded", "sglang", "vllm"] = "sglang"  # mcore_rl/rollout/: one file per engine
     n: int = 8  # responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -90,6 +90,7 @@ class RolloutConfig:
     cpu_kv_tokens: int = 8192  # KV cache size of an engine on CPU (there it is not a fraction of memory)
     sync_transport: Literal["auto", "ipc", "broadcast", "disk"] = "auto"  # auto: ipc colocated, else broadcast
     verify_sync_every: int = 0  # read the engines back after the first sync and every N steps (0: first only)
+    verify_logprob_tol: float = 1e-3  # vLLM's check: its log-probs of fixed sequences vs the trainer's, max abs
     timeout_s: float = 600.0  # an engine call (generate, sync, release) that takes longer is an error
     start_timeout_s: float = 900.0
     log_level: str = "error"  # the engine's own log level
@@ -474,6 +475,7 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     need(r.timeout_s > 0 and r.start_timeout_s > 0,
          f"rollout.timeout_s and start_timeout_s must be > 0, got {r.timeout_s} and {r.start_timeout_s}")
     need(r.verify_sync_every >= 0, f"rollout.verify_sync_every must be >= 0, got {r.verify_sync_every}")
+    need(r.verify_logprob_tol > 0, f"rollout.verify_logprob_tol must be > 0, got {r.verify_logprob_tol}")
     mem = cfg.memory
     need(mem.gpu_memory_gb is None or mem.gpu_memory_gb > 0,
          f"memory.gpu_memory_gb must be > 0 or null, got {mem.gpu_memory_gb}")
@@ -609,6 +611,36 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
         errors.append(f"parallel.ep = {p.ep} but the model has no routed experts")
 
 
+# head sizes vLLM's CPU attention has kernels for (0.32: csrc/cpu attention dispatch)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def _check_vllm(cfg: Config, errors: list[str], hf: dict | None) -> None:
+    """What the vLLM engine (mcore_rl.rollout.vllm) needs; on CPU, what its kernels accept."""
+    r, c = cfg.rollout, cfg.cluster
+    if r.ep_size != 1:
+        errors.append(f"rollout.ep_size = {r.ep_size}: the vLLM engine splits experts over its TP ranks "
+                      "(ep_size 1); expert parallelism is SGLang's")
+    if r.tp_size > c.n_gpus_per_node:
+        errors.append(f"rollout.tp_size = {r.tp_size} spans nodes; the vLLM engine runs on one node")
+    if hf is None or c.device != "cpu":
+        return
+    if "kv_lora_rank" in hf:
+        got = (hf["kv_lora_rank"], hf.get("qk_rope_head_dim"))
+        if got != (512, 64):
+            errors.append(f"vLLM's CPU MLA kernels need kv_lora_rank 512 and qk_rope_head_dim 64, the model has "
+                          f"{got[0]} and {got[1]} (a tiny config: add model.hf_config.kv_lora_rank=512 "
+                          "model.hf_config.qk_rope_head_dim=64)")
+    else:
+        head = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        if head not in VLLM_CPU_HEAD_SIZES:
+            errors.append(f"vLLM's CPU attention has no kernel for head size {head}; it takes {VLLM_CPU_HEAD_SIZES}")
+    moe = hf.get("moe_intermediate_size")
+    if _num_experts(hf) and moe and (moe // r.tp_size) % 32:
+        errors.append(f"moe_intermediate_size / rollout.tp_size = {moe // r.tp_size}: vLLM's CPU experts pad it "
+                      "to a multiple of 32, and weight updates then fail; use a multiple of 32")
+
+
 def _check_algorithm(cfg: Config, errors: list[str]) -> None:
     alg, a, r, d = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data
     if alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
@@ -651,7 +683,10 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     _check_ranges(cfg, errors)
     _check_layout(cfg, errors, available_gpus)
     hf = model_info(cfg.model) if callable(model_info) else model_info
-    _check_model(cfg, errors, hf if hf is not None else hf_model_dims(cfg.model))
+    hf = hf if hf is not None else hf_model_dims(cfg.model)
+    _check_model(cfg, errors, hf)
+    if cfg.rollout.engine == "vllm":
+        _check_vllm(cfg, errors, hf)
     _check_algorithm(cfg, errors)
     if errors:
         raise ConfigError(errors)

@@ -2,7 +2,7 @@
 
 Per step: rollout -> rewards -> advantages -> old log-probs -> policy update -> weight sync ->
 checkpoint. Megatron actors are Ray actors, one per GPU (one gloo process per "GPU" on CPU); the
-rollout engine (mcore_rl/rollout/: SGLang, or the embedded engine) runs in actors of its own.
+rollout engine (mcore_rl/rollout/: SGLang, vLLM, or the embedded engine) runs in actors of its own.
 Colocated, each step also moves the GPUs between the two: the engine releases its weights and
 KV cache, the trainer onloads and trains, offloads, and the engine resumes and is synced.
 `--dry-run` validates everything and prints the placement and the memory plan, starting nothing.
@@ -341,7 +341,8 @@ def dry_run(cfg: C.Config) -> list[str]:
         lines.append("rollout: embedded engine on the trainer's own shards (no sync)")
     else:
         lines += plan_placement(cfg).describe(units)
-        lines.append(f"weight sync: {transport_for(cfg)}, verified by read-back after the first sync"
+        check = "a log-prob check" if cfg.rollout.engine == "vllm" else "read-back"
+        lines.append(f"weight sync: {transport_for(cfg)}, verified by {check} after the first sync"
                      + (f" and every {cfg.rollout.verify_sync_every} steps" if cfg.rollout.verify_sync_every else ""))
     if c.device == "gpu":
         from mcore_rl.memory.gpus import GpuSelectionError

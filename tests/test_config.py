@@ -155,3 +155,16 @@ def test_cli_prints_resolved_yaml_or_errors():
     bad = subprocess.run([sys.executable, "-m", "mcore_rl.config", TINY, "rollout.m=4"], capture_output=True,
                          text=True, cwd=ROOT)
     assert bad.returncode == 2 and "did you mean 'rollout.n'" in bad.stderr
+
+
+def test_vllm_engine_refuses_what_its_cpu_kernels_cannot_run():
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    msg = errors_of(["rollout.engine=vllm", "rollout.ep_size=2", "rollout.tp_size=2"], path=tiny)
+    assert "need kv_lora_rank 512 and qk_rope_head_dim 64, the model has 16 and 8" in msg
+    assert "add model.hf_config.kv_lora_rank=512 model.hf_config.qk_rope_head_dim=64" in msg
+    assert "expert parallelism is SGLang's" in msg
+    assert "moe_intermediate_size / rollout.tp_size = 16" in msg
+    assert load_config(tiny, ["rollout.engine=vllm", "model.hf_config.kv_lora_rank=512",
+                              "model.hf_config.qk_rope_head_dim=64"])
+    dense = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    assert "no kernel for head size 16" in errors_of(["rollout.engine=vllm"], path=tiny, model_info=dense)

@@ -42,11 +42,19 @@ ROUTING_VARIANTS = {
 }
 
 
+# the shapes vLLM's CPU kernels take (mcore_rl.config._check_vllm): MLA with its real latent and
+# rope dims; dense attention with a head size it has a kernel for (64 / 4 heads = 16 it has not)
+VLLM_CPU = {
+    "deepseek_v3_vllm": ("DeepseekV3Config", dict(FAMILIES["deepseek_v3"][1], kv_lora_rank=512, qk_rope_head_dim=64)),
+    "qwen2_vllm": ("Qwen2Config", dict(FAMILIES["qwen2"][1], hidden_size=128, intermediate_size=256)),
+}
+
+
 def make_hf_model(family: str, out_dir: str, seed: int = 0):
     """Save a random fp32 model of `family` to `out_dir`; return the model (eval mode)."""
     import transformers
 
-    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS}[family]
+    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS, **VLLM_CPU}[family]
     cfg = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()

@@ -108,6 +108,7 @@ class EngineGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.ray, self.tp_size, self.timeout_s, self.label = ray, tp_size, timeout_s, label
+        self.readback = server_cls.READBACK  # how a weight sync into these engines is verified
         self.slots = slots
         remote = ray.remote(server_cls)
         self.actors = []
@@ -160,6 +161,11 @@ class EngineGroup:
         for s, ranks in zip(self.slots, got):
             out.setdefault(s.engine, {}).update({int(r): d for r, d in ranks.items()})
         return out
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
+        """Each engine's log-probs of every token of `sequences` after its prefix (engine after engine)."""
+        return _wait([a.prompt_logprobs.remote(sequences) for a in self.heads], "log-prob check", self.head_names,
+                     self.timeout_s)
 
     def release(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         _wait([a.release.remote(list(tags)) for a in self.heads], f"release {list(tags)}", self.head_names,

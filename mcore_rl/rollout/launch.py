@@ -1,4 +1,4 @@
-"""Start the configured engines where the placement says, and wire the weight sync to them.
+"""Start the configured engines (SGLang or vLLM) where the placement says, and wire the weight sync to them.
 
     rollout, sync = launch(cfg, hf_dir, run_dir, actors, stop_ids)
 
@@ -27,19 +27,18 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
     """(rollout, weight sync or None)."""
     if cfg.rollout.engine == "embedded":
         return EmbeddedRollout(actors, pad_id), None
-    from mcore_rl.rollout import sglang as S
-
+    server, start = _server(cfg.rollout.engine), STARTERS[cfg.rollout.engine]
     placement = plan_placement(cfg)
     _check_cpu_tp(cfg)
     where = actors.call("where")
-    model_dir = S.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids, cfg.cluster.device)
+    model_dir = server.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids, cfg.cluster.device)
     layout = EngineLayout(cfg.rollout.tp_size, cfg.rollout.ep_size, placement.nnodes,
                           cfg.rollout.tp_size // placement.nnodes)
     if placement.colocate:
         slots = _colocated_slots(placement, where, cfg.cluster.device, actors.pg)
     else:
         slots = own_slots(placement, cfg.cluster.device)
-    engines = start_sglang(cfg, model_dir, slots, layout, ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node)
+    engines = start(cfg, model_dir, slots, layout, ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node)
     try:
         feed = _feeds(placement, slots, where, layout) if placement.colocate else None
         sync = WeightSync(cfg, actors, engines, layout, feed, where, run_dir, model_dir)
@@ -56,13 +55,27 @@ def _check_cpu_tp(cfg: C.Config) -> None:
     """SGLang's CPU engine with tp > 1 pads MLP widths to multiples of 32 * tp, so its ranks no longer
     hold even slices; the read-back would report every MLP as stale. Refuse such configs up front."""
     tp, dims = cfg.rollout.tp_size, C.hf_model_dims(cfg.model) or {}
-    if cfg.cluster.device != "cpu" or tp == 1:
+    if cfg.rollout.engine != "sglang" or cfg.cluster.device != "cpu" or tp == 1:
         return
     bad = [f"{k}={dims[k]}" for k in ("intermediate_size", "moe_intermediate_size")
            if dims.get(k) and dims[k] % (CPU_MOE_PAD * tp)]
     if bad:
         raise C.ConfigError(f"rollout.tp_size={tp} on CPU: SGLang pads {', '.join(bad)} to multiples of "
                             f"{CPU_MOE_PAD * tp}; use model widths that are multiples already")
+
+
+def _server(engine: str):
+    """The module of `engine`'s server (imported only when that engine is used)."""
+    import importlib
+
+    return importlib.import_module(f"mcore_rl.rollout.{engine}")
+
+
+def _group(cfg: C.Config, server_cls, slots: list[EngineSlot], layout: EngineLayout, gpu_share: float,
+           args_of, label: str, env: dict) -> EngineGroup:
+    return EngineGroup(server_cls, slots, args_of, device=cfg.cluster.device, tp_size=layout.tp_size,
+                       timeout_s=cfg.rollout.timeout_s, start_timeout_s=cfg.rollout.start_timeout_s,
+                       gpu_share=gpu_share, label=label, env=env)
 
 
 def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: EngineLayout,
@@ -74,11 +87,23 @@ def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout:
     mem_fraction = _mem_fraction(cfg)
     addrs = {s.engine: "%s:%d" % rendezvous_on(s.pg, s.bundle) for s in slots
              if s.node_rank == 0 and layout.nnodes > 1}
-    return EngineGroup(S.SGLangServer, slots,
-                       lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction),
-                       device=cfg.cluster.device, tp_size=layout.tp_size, timeout_s=cfg.rollout.timeout_s,
-                       start_timeout_s=cfg.rollout.start_timeout_s, gpu_share=gpu_share, label="SGLang",
-                       env=S.engine_env(cfg, layout))
+    return _group(cfg, S.SGLangServer, slots, layout, gpu_share,
+                  lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction),
+                  "SGLang", S.engine_env(cfg, layout))
+
+
+def start_vllm(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: EngineLayout,
+               gpu_share: float) -> EngineGroup:
+    """vLLM engines on `slots`, one node each, started from `model_dir`."""
+    from mcore_rl.rollout import vllm as V
+
+    if layout.nnodes > 1:
+        raise PlanError(f"a vLLM engine runs on one node; this placement spreads one over {layout.nnodes}")
+    args = V.engine_args(cfg, model_dir, layout, _mem_fraction(cfg))
+    return _group(cfg, V.VLLMServer, slots, layout, gpu_share, lambda s: args, "vLLM", V.engine_env(cfg, layout))
+
+
+STARTERS = {"sglang": start_sglang, "vllm": start_vllm}
 
 
 def _colocated_slots(placement, where: list[dict], device: str, pg) -> list[EngineSlot]:

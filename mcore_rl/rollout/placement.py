@@ -33,6 +33,7 @@ class RolloutPlacement:
     ep_size: int
     gpus_per_node: int
     colocate: bool
+    engine: str = "sglang"
 
     @property
     def nnodes(self) -> int:
@@ -40,7 +41,8 @@ class RolloutPlacement:
 
     def describe(self, units: str = "GPUs") -> list[str]:
         per = self.gpus_per_node
-        lines = [f"rollout engines: {len(self.engines)} x SGLang TP={self.tp_size} EP={self.ep_size} over "
+        name = {"sglang": "SGLang", "vllm": "vLLM"}.get(self.engine, self.engine)
+        lines = [f"rollout engines: {len(self.engines)} x {name} TP={self.tp_size} EP={self.ep_size} over "
                  f"{self.nnodes} node(s) each ({'colocated with the trainer' if self.colocate else 'own ' + units})"]
         for nodes in self.engines:
             for n in nodes:
@@ -65,4 +67,4 @@ def plan_placement(cfg: C.Config) -> RolloutPlacement:
         gpus = rollout[k * tp:(k + 1) * tp]
         engines.append(tuple(EngineNode(k, n, tuple(gpus[n * node_gpus:(n + 1) * node_gpus]))
                              for n in range(tp // node_gpus)))
-    return RolloutPlacement(trainer, tuple(engines), tp, r.ep_size, per, c.colocate)
+    return RolloutPlacement(trainer, tuple(engines), tp, r.ep_size, per, c.colocate, r.engine)

@@ -18,53 +18,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from mcore_rl.rollout import model_files
+from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.sync.plan import EngineLayout, PlanError
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site")
 
-# fields DeepSeek hub checkpoints carry that transformers' configs no longer write; SGLang reads them
-HUB_DEFAULTS = {"deepseek_v3": dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid"),
-                "deepseek_v2": dict(moe_layer_freq=1, topk_method="greedy", scoring_func="softmax")}
-
 
 def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], device: str) -> str:
-    """`hf_dir` as SGLang should read it: the same weights and tokenizer files (linked, not
-    copied) under a config.json that carries the hub fields DeepSeek configs need, and whose
-    eos ids are the rollout's stop ids (so the engine stops exactly where the trainer's
-    tokenizer ends a response). On CPU SGLang's DeepSeek rope needs a `yarn` entry: yarn with
-    factor 1 is plain rope, so the model is unchanged. Rewritten atomically on every call."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
-    for k, v in HUB_DEFAULTS.get(cfg.get("model_type"), {}).items():
-        cfg.setdefault(k, v)
-    cfg["eos_token_id"] = list(stop_token_ids) if len(stop_token_ids) != 1 else stop_token_ids[0]
-    if device == "cpu" and cfg.get("model_type", "").startswith("deepseek") and not _has_scaling(cfg):
-        theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
-        yarn = dict(type="yarn", rope_type="yarn", factor=1.0, rope_theta=theta, beta_fast=32, beta_slow=1,
-                    mscale=1.0, mscale_all_dim=1.0,
-                    original_max_position_embeddings=cfg["max_position_embeddings"])
-        cfg["rope_scaling"], cfg["rope_parameters"] = yarn, dict(yarn)
-    tmp = out_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for path in glob.glob(os.path.join(os.path.abspath(hf_dir), "*")):
-        name = os.path.basename(path)
-        if name not in ("config.json", "generation_config.json"):
-            os.symlink(path, os.path.join(tmp, name))
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": cfg["eos_token_id"]}, f)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    return out_dir
-
-
-def _has_scaling(cfg: dict) -> bool:
-    kinds = [(cfg.get(k) or {}).get("rope_type") or (cfg.get(k) or {}).get("type")
-             for k in ("rope_scaling", "rope_parameters")]
-    return any(k not in (None, "default") for k in kinds)
+    """`hf_dir` as SGLang should read it (`model_files.engine_model_dir`). On CPU SGLang's DeepSeek
+    rope needs a `yarn` entry: yarn with factor 1 is plain rope, so the model is unchanged."""
+    return model_files.engine_model_dir(hf_dir, out_dir, stop_token_ids, plain_rope_as_yarn=device == "cpu")
 
 
 @dataclass
@@ -114,9 +79,6 @@ class EngineLaunch:
             elif v is not False and v is not None:
                 out += [flag, str(v)]
         return out
-
-
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_init_addr: str | None,
@@ -191,6 +153,8 @@ def _ok(result, what: str):
 
 class SGLangServer:
     """Node `node_rank` of one SGLang engine, in its own Ray actor process. Only node 0 serves."""
+
+    READBACK = "digests"  # how a sync is verified (see WeightSync.verify)
 
     def __init__(self, engine_args: dict, device: str, visible_devices: str | None = None,
                  env: dict | None = None):

