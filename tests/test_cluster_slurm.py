@@ -34,7 +34,14 @@ case " $* " in
         sleep 120 &
         child=$!
         trap 'kill $child; printf "%s\tTERM\n" "$$" >> "$FAKE_SLURM_LOG"; exit 0' TERM
+        printf '%s\tUP\n' "$$" >> "$FAKE_SLURM_LOG"
         wait $child
+        ;;
+    *wait-nodes*)  # as the real one: return once the head (and worker) steps are up, their traps set
+        prev="" n=1
+        for a in "$@"; do [[ "$prev" == wait-nodes ]] && n="$a"; prev="$a"; done
+        steps=$(( n > 1 ? 2 : 1 ))
+        for _ in $(seq 300); do [[ $(grep -c $'\tUP$' "$FAKE_SLURM_LOG") -ge $steps ]] && break; sleep 0.1; done
         ;;
     *submit.sh*) exit "${FAKE_SUBMIT_RC:-0}" ;;
 esac
@@ -87,7 +94,7 @@ def run_sbatch(tmp_path: Path, hosts: list[str], args: list[str], extra_env: dic
         pid, cmd = line.split("\t", 1)
         if cmd == "TERM":
             terms.add(int(pid))
-        else:
+        elif cmd != "UP":
             calls.append((int(pid), shlex.split(cmd)))
     calls.sort(key=lambda c: c[0])
     return r, calls, terms
