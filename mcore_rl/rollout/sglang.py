@@ -248,12 +248,17 @@ class SGLangServer:
 
     def read_weight_digests(self, path: str) -> dict[int, dict]:
         """{tp rank: {SGLang parameter name: [dtype, shape, bytes, sum, weighted sum]}} of this
-        node's ranks, as `write_weight_digests` left them; the files are removed."""
+        node's ranks, as `write_weight_digests` left them; the files (and their directory when
+        empty) are removed."""
         out = {}
         for r in self.tp_ranks:
             with open(f"{path}.tp{r}.json") as f:
                 out[r] = json.load(f)
             os.remove(f"{path}.tp{r}.json")
+        try:  # the read-back's directory, once every engine on this machine has read its files
+            os.rmdir(os.path.dirname(path))
+        except OSError:
+            pass
         return out
 
     # ---- memory ------------------------------------------------------------------------------------
