@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 
@@ -22,8 +23,35 @@ class Layout:
         return self.tp * self.pp
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+# Ports we pick for others to listen on lie above Ray's worker ports (10002-19999) and below the
+# kernel's ephemeral range: the kernel gives ephemeral ports to outgoing connections, and one of
+# those once took SGLang's rendezvous port between its pick and its bind (EADDRINUSE in CI).
+LISTEN_PORTS = (20000, 30000)
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 256) -> int:
+    """A port free on `host` now, from LISTEN_PORTS (below the ephemeral range) when it can be;
+    concurrent callers start at random points of the range."""
+    lo, hi = LISTEN_PORTS[0], min(LISTEN_PORTS[1], _ephemeral_start())
+    if hi > lo:
+        start = random.SystemRandom().randrange(lo, hi)
+        for i in range(min(tries, hi - lo)):
+            port = lo + (start - lo + i) % (hi - lo)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room below the ephemeral range (or all taken): any free port
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -13,6 +13,7 @@ import functools
 
 import pytest
 
+from mcore_rl.parallel import LISTEN_PORTS
 from mcore_rl.rollout.launch import start_sglang
 from tests import rollout_checks as R
 from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
@@ -56,6 +57,8 @@ def test_release_resume_then_generate(ds_two, models):
 def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - the fixture
     with running(ray_cluster, model_dir=models["qwen2"][1], engines=1, tp=2) as group:
         R.check_against_transformers(group, models["qwen2"][0])
+        lo, hi = LISTEN_PORTS  # the ranks met at our port, not at SGLang's ephemeral pick
+        assert all(lo <= h["nccl_port"] < hi for h in group.health()), group.health()
         digests = group.weight_digests()[0]
         assert sorted(digests) == [0, 1]  # both ranks read back
         qkv = "model.layers.0.self_attn.qkv_proj.weight"

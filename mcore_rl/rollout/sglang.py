@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from mcore_rl.parallel import free_port
 from mcore_rl.rollout import model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
@@ -179,7 +180,11 @@ class SGLangServer:
         from sglang.srt.server_args import ServerArgs  # a dataclass before 0.5.20, a msgspec struct after
 
         self.version = sglang.__version__
-        engine_args = adapt_args(engine_args, set(inspect.signature(ServerArgs).parameters))
+        known = set(inspect.signature(ServerArgs).parameters)
+        if "nccl_port" in known and engine_args.get("nccl_port") is None:  # SGLang's own pick is ephemeral
+            engine_args = {**engine_args, "nccl_port": free_port()}
+        self.nccl_port = engine_args.get("nccl_port")
+        engine_args = adapt_args(engine_args, known)
         t0 = time.perf_counter()
         self.engine = sglang.Engine(**engine_args)
         self.start_seconds = time.perf_counter() - t0
@@ -281,7 +286,7 @@ class SGLangServer:
     # ---- life ----------------------------------------------------------------------------------------
     def health(self) -> dict:
         return {"engine": "sglang", "version": self.version, "node_rank": self.node_rank, "pid": os.getpid(),
-                "start_seconds": round(self.start_seconds, 2), "alive": True}
+                "nccl_port": self.nccl_port, "start_seconds": round(self.start_seconds, 2), "alive": True}
 
     def child_pids(self) -> list[int]:
         import psutil
