@@ -268,17 +268,19 @@ class SGLangServer:
 
     # ---- memory ------------------------------------------------------------------------------------
     def release(self, tags: list[str], timeout_s: float = 60.0) -> None:
-        """SGLang refuses to release while requests are still draining: retry until idle."""
+        """SGLang asserts idleness in its scheduler, and a failed assert there kills the engine: wait
+        until every rank says it is idle (sglang_plugin's check, a plain error reply when not)."""
         tags = check_tags(tags)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.engine.release_memory_occupation(tags=tags)
-                return
-            except AssertionError:
+                self.engine.collective_rpc("mcore_rl_check_idle")
+                break
+            except AssertionError:  # collective_rpc's way of reporting a failed call
                 if time.monotonic() > deadline:
                     raise EngineError(f"SGLang did not become idle within {timeout_s:.0f}s to release {tags}")
-                time.sleep(0.05)
+                time.sleep(0.02)
+        self.engine.release_memory_occupation(tags=tags)
 
     def resume(self, tags: list[str]) -> None:
         self.engine.resume_memory_occupation(tags=check_tags(tags))

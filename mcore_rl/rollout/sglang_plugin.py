@@ -5,6 +5,10 @@ model is built.
 - `Scheduler.mcore_rl_weight_digests(path)`: digests of every parameter of this TP rank, written
   atomically to `path.tp{rank}.json`. Reached through `Engine.collective_rpc`, which reports only
   success, hence the file. This is how a sync is read back and verified.
+- `Scheduler.mcore_rl_check_idle()`: fails unless every TP rank of the engine is fully idle.
+  SGLang asserts idleness inside the scheduler when asked to release memory, and a failed assert
+  there kills the scheduler and then the engine's process (seen right after `generate` returned);
+  a failed RPC is only an error reply, so the engine actor polls this before it releases.
 - Seeded sampling (MCORE_RL_SEEDED_SAMPLING=1, `rollout.seeded`): SGLang samples a request with
   its own `sampling_seed` (a hash of seed, position and token: reproducible, independent of batch
   composition) only in deterministic-inference mode, which its CPU and most GPU attention backends
@@ -36,6 +40,18 @@ def _scheduler_weight_digests(self, path: str) -> None:
     os.replace(out + ".tmp", out)
 
 
+def _scheduler_check_idle(self) -> None:
+    import torch
+    import torch.distributed as dist
+
+    idle = torch.tensor([int(self.is_fully_idle())])
+    group = self.tp_group.cpu_group  # every rank runs the RPC; all must be idle for the release
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(idle, op=dist.ReduceOp.MIN, group=group)
+    if not idle.item():
+        raise RuntimeError("not idle")
+
+
 def _seeded_sampling() -> None:
     import torch
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -59,6 +75,7 @@ def register() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
     Scheduler.mcore_rl_weight_digests = _scheduler_weight_digests
+    Scheduler.mcore_rl_check_idle = _scheduler_check_idle
     if os.environ.get("MCORE_RL_SEEDED_SAMPLING") == "1":
         _seeded_sampling()
     if os.environ.get("MCORE_RL_SGLANG_CPU") == "1":
