@@ -96,7 +96,7 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
 
     placement = plan_placement(cfg)
     tp, cpu = cfg.rollout.tp_size, cfg.cluster.device == "cpu"
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              **({"_node_ip_address": "127.0.0.1"} if cpu else {}))
     try:
         slots = []

@@ -227,9 +227,9 @@ def train(cfg: C.Config) -> dict:
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
             ray.init(log_to_driver=True)
-        else:  # a local run: a private Ray on loopback
-            ray.init(num_cpus=max(2, cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", log_to_driver=True)
+        else:  # a local run: a private Ray on loopback ("local": never the cluster of a stale address file)
+            ray.init(address="local", num_cpus=max(2, cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node),
+                     include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
     group = ActorGroup(cfg, hf_dir, init)
     engine = sync = None
     try:

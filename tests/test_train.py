@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -16,11 +18,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(out, *overrides, **popen):
+def _train(out, *overrides, env=None, **popen):
     cmd = [sys.executable, "-m", "mcore_rl.train", "--config", "configs/tiny_cpu.yaml",
            f"trainer.output_dir={out}", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"), **popen)
+                            env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **(env or {})), **popen)
 
 
 def _failure(log: str) -> str:
@@ -70,9 +72,19 @@ def test_tiny_grpo_learns_with_sglang(tmp_path):
 
 
 def test_tiny_grpo_learns_with_the_embedded_engine(tmp_path):
+    """Also: the address file an earlier `ray start` left behind (ray_current_cluster, its cluster
+    gone) does not make a local run try to join that cluster."""
     out = str(tmp_path / "run")
-    p = _train(out, "rollout.engine=embedded", "trainer.save_freq=-1", "trainer.test_freq=-1")
-    log, _ = p.communicate(timeout=900)
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
+    try:
+        os.makedirs(os.path.join(ray_tmp, "ray"))
+        with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+            f.write("127.0.0.1:9")
+        p = _train(out, "rollout.engine=embedded", "trainer.save_freq=-1", "trainer.test_freq=-1",
+                   env={"RAY_TMPDIR": ray_tmp})
+        log, _ = p.communicate(timeout=900)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert p.returncode == 0, _failure(log)
     _reward_rises(out)
 
