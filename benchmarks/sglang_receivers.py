@@ -3,11 +3,13 @@
 One receiver process per GPU holds SGLang-layout parameter buffers for its engine tp rank
 (attention and dense/shared MLPs sliced by tp rank, gate/up fused into gate_up_proj, routed
 experts as w13 [local_E, 2I/moe_tp, H] / w2 [local_E, H, I/moe_tp]) and copies each received
-flattened bucket into place as SGLang's weight loaders would. Messages on its pipe:
-("bucket", serialized {"flattened_tensor", "metadata"}) -> "ack"; ("digest", None) -> digests of
-its buffers; ("stop", None) ends it. `PipeEngine` is the driver-side engine handle that
-`mcore_rl.sync.transports.CudaIpcTransport` talks to; `expected_from_checkpoint` builds what the
-receivers must hold from a megatron torch_dist checkpoint (independent of the live gather).
+flattened bucket into place as SGLang's weight loaders would, by the sync's own table
+(`mcore_rl.sync.engine_layout`, checked by read-back against real SGLang engines in CI).
+Messages on its pipe: ("bucket", serialized {"flattened_tensor", "metadata"}) -> "ack";
+("digest", None) -> digests of its buffers; ("stop", None) ends it. `PipeEngine` is the
+driver-side engine handle that `mcore_rl.sync.transports.CudaIpcTransport` talks to;
+`expected_from_checkpoint` builds what the receivers must hold from a megatron torch_dist
+checkpoint (independent of the live gather).
 """
 
 from __future__ import annotations
@@ -18,74 +20,44 @@ import torch
 
 from mcore_rl.sync.bucket import unflatten
 from mcore_rl.sync.checksum import digests
-from mcore_rl.sync.plan import EngineLayout, SyncPlan
-
-ROW_SPLIT = ("embed_tokens", "lm_head", "q_proj", "q_b_proj", "kv_b_proj")  # split over tp by output rows
-COL_SPLIT = ("o_proj",)
-
-
-def sglang_target(name: str, t: torch.Tensor, engine: EngineLayout, tp_rank: int, expert_base: int):
-    """(param name, index into it, source view) as SGLang's weight loaders place HF tensor `name`
-    on engine tp rank `tp_rank`: experts into w13/w2 sliced over moe_tp, gate/up into gate_up_proj."""
-    parts = name.split(".")
-    leaf = parts[-2]
-    tp = engine.tp_size
-    if ".mlp.experts." in name:
-        e = int(parts[5]) - expert_base
-        base = ".".join(parts[:5])
-        moe_tp, moe_rank = engine.moe_tp, tp_rank % engine.moe_tp  # SGLang: moe_tp_rank = tp_rank % moe_tp
-        if leaf == "down_proj":
-            return f"{base}.w2_weight", (e,), t.chunk(moe_tp, dim=1)[moe_rank]
-        rows = t.chunk(moe_tp, dim=0)[moe_rank]
-        n = rows.shape[0]
-        return f"{base}.w13_weight", (e, slice(0, n) if leaf == "gate_proj" else slice(n, 2 * n)), rows
-    if leaf in ("gate_proj", "up_proj", "down_proj"):  # dense and shared MLPs: split over tp, fused gate_up
-        if leaf == "down_proj":
-            return name, (), t.chunk(tp, dim=1)[tp_rank]
-        rows = t.chunk(tp, dim=0)[tp_rank]
-        n = rows.shape[0]
-        fused = name.replace(f"{leaf}.weight", "gate_up_proj.weight")
-        return fused, (slice(0, n) if leaf == "gate_proj" else slice(n, 2 * n),), rows
-    if leaf in ROW_SPLIT:
-        return name, (), t.chunk(tp, dim=0)[tp_rank]
-    if leaf in COL_SPLIT:
-        return name, (), t.chunk(tp, dim=1)[tp_rank]
-    return name, (), t  # norms, router, kv_a_proj_with_mqa: replicated
+from mcore_rl.sync.engine_layout import engine_param, padded_vocab
+from mcore_rl.sync.engine_layout import place as place_pieces
+from mcore_rl.sync.plan import SyncPlan
 
 
-def _targets(plan: SyncPlan, rank: int, named):
-    """sglang_target for each (name, tensor) that trainer rank `rank` feeds to its engine rank."""
+def _pieces(plan: SyncPlan, rank: int, named):
+    """Where each (name, tensor) that trainer rank `rank` feeds to its engine rank lands, as the sync's
+    own table places it (`mcore_rl.sync.engine_layout`): (SGLang parameter, element offset, source)."""
     tp_rank = plan.engine_rank_of[rank]
-    base = plan.engine.experts_of(tp_rank, plan.hf.num_experts).start if plan.hf.num_experts else 0
     for name, t in named:
-        yield sglang_target(name, t, plan.engine, tp_rank, base)
+        yield from place_pieces(name, t, plan.engine, tp_rank, plan.hf)
 
 
 def engine_params(plan: SyncPlan, rank: int, device) -> dict[str, torch.Tensor]:
-    """Empty SGLang-layout buffers of the engine rank that trainer rank `rank` feeds, shaped by
-    placing every tensor it receives (each buffer keeps its source tensors' dtype)."""
-    shapes: dict[str, tuple] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    E_local = plan.hf.num_experts // plan.engine.ep_size if plan.hf.num_experts else 0
-    probes = [(n, torch.empty(plan.tensors[n].shape, dtype=plan.tensors[n].dtype, device="meta"))
-              for n in plan.payload_names(rank)]
-    for (_, probe), (target, _, src) in zip(probes, _targets(plan, rank, probes)):
-        if target.endswith("w13_weight"):
-            shapes[target] = (E_local, 2 * src.shape[0], src.shape[1])
-        elif target.endswith("w2_weight"):
-            shapes[target] = (E_local, *src.shape)
-        elif target.endswith("gate_up_proj.weight"):
-            shapes[target] = (2 * src.shape[0], src.shape[1])
-        else:
-            shapes[target] = tuple(src.shape)
-        dtypes[target] = probe.dtype
-    return {k: torch.empty(v, dtype=dtypes[k], device=device) for k, v in shapes.items()}
+    """Zeroed SGLang-shaped buffers (`mcore_rl.memory.layout.engine_tensors`, vocab rows padded as
+    SGLang pads them) of the parameters that trainer rank `rank` fills on its engine rank, each in
+    its source tensors' dtype."""
+    from mcore_rl.memory.layout import engine_tensors, inventory
+
+    tp, tp_rank = plan.engine.tp_size, plan.engine_rank_of[rank]
+    shapes = engine_tensors(plan.hf, inventory(plan.hf), tp=tp, ep=plan.engine.ep_size, rank=tp_rank)
+    params: dict[str, torch.Tensor] = {}
+    for name in plan.payload_names(rank):
+        probe = torch.empty(plan.tensors[name].shape, dtype=plan.tensors[name].dtype, device="meta")
+        for piece in _pieces(plan, rank, [(name, probe)]):
+            if piece.param in params:
+                continue
+            shape = list(shapes[piece.param].shape)
+            if engine_param(name, plan.hf)[1].split == "vocab":
+                shape[0] = padded_vocab(probe.shape[0], tp) // tp
+            params[piece.param] = torch.zeros(shape, dtype=piece.src.dtype, device=device)
+    return params
 
 
 def place(params: dict[str, torch.Tensor], named, rank: int, plan: SyncPlan) -> None:
     """Copy HF tensors into the SGLang-layout buffers of trainer rank `rank`'s engine rank."""
-    for target, index, src in _targets(plan, rank, named):
-        params[target][index].copy_(src)
+    for piece in _pieces(plan, rank, named):
+        params[piece.param].view(-1)[piece.offset:piece.offset + piece.src.numel()].copy_(piece.src.reshape(-1))
 
 
 def _sync_device(device: torch.device) -> None:

@@ -8,7 +8,8 @@ tensor is split:
 - megatron: `linear_*`, word embeddings and the output layer are split over TP (experts over
   expert-TP, `etp`), routed experts are spread over EP, layers over PP stages; norms and the router
   are replicated; the router's expert bias is an fp32 buffer (no gradient, no optimizer state).
-- SGLang (DeepseekV2ForCausalLM and the Llama/Qwen models): embeddings and lm_head are vocab-split
+- SGLang (DeepseekV2ForCausalLM and the Llama/Qwen models), as the sync's table
+  (`mcore_rl.sync.engine_layout.SGLANG_RULES`) places them: embeddings and lm_head are vocab-split
   over tp, q_a/kv_a projections are replicated (fused into `fused_qkv_a_proj_with_mqa` with
   q_lora), column-parallel weights are split on dim 0 and row-parallel ones (o_proj, down_proj)
   on dim 1, routed experts are stacked per layer into `w13_weight [E/ep, 2I/moe_tp, H]` and
@@ -27,9 +28,6 @@ import torch
 from mcore_rl.models.config import HFModel
 
 FP32_HF = ("e_score_correction_bias",)  # kept in fp32 by HF, megatron and SGLang alike
-REPLICATED_IN_ENGINE = ("q_a_proj", "kv_a_proj_with_mqa", "layernorm", "norm.weight", "mlp.gate.weight",
-                        "e_score_correction_bias")
-ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -136,36 +134,30 @@ class EngineTensor:
 
 
 def _engine_name(hf: HFModel, hf_name: str) -> tuple[str, int | None]:
-    """(engine tensor name, expert slot) for an HF tensor; fused tensors share a name."""
-    parts = hf_name.split(".")
-    if ".mlp.experts." in hf_name:
-        i = parts.index("experts")
-        prefix, expert, proj = ".".join(parts[:i + 1]), int(parts[i + 1]), parts[i + 2]
-        return f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}_weight", expert
-    fused = None
-    if parts[-2] in ("gate_proj", "up_proj"):
-        fused = "gate_up_proj"
-    elif not hf.is_mla and parts[-2] in ("q_proj", "k_proj", "v_proj"):
-        fused = "qkv_proj"
-    elif hf.q_lora and parts[-2] in ("q_a_proj", "kv_a_proj_with_mqa"):
-        fused = "fused_qkv_a_proj_with_mqa"
-    if fused is None:
-        return hf_name, None
-    return ".".join(parts[:-2] + [fused, parts[-1]]), None
+    """(engine tensor name, expert index) for an HF tensor; fused tensors share a name."""
+    from mcore_rl.sync.engine_layout import engine_param
+
+    name, rule = engine_param(hf_name, hf)
+    expert = int(hf_name.split(".mlp.experts.")[1].split(".")[0]) if rule.split.startswith("moe_") else None
+    return name, expert
 
 
 def _engine_shard(hf: HFModel, hf_name: str, tp: int, ep: int, rank: int):
-    """(split dim, parts, this rank's part) of one HF tensor on engine rank `rank`."""
-    dim = 1 if any(k in hf_name for k in ROW_PARALLEL) else 0
-    if ".mlp.experts." in hf_name:
+    """(split dim, parts, this rank's part) of one HF tensor on engine rank `rank`, from the sync's
+    table (`mcore_rl.sync.engine_layout.SGLANG_RULES`)."""
+    from mcore_rl.sync.engine_layout import engine_param
+
+    rule = engine_param(hf_name, hf)[1]
+    split = rule.split
+    if split in ("moe_row", "moe_col"):
         moe_tp = tp // ep
-        return dim, moe_tp, rank % moe_tp
-    if any(k in hf_name for k in REPLICATED_IN_ENGINE):
+        return (0 if split == "moe_row" else 1), moe_tp, rank % moe_tp
+    if split == "rep":
         return None, 1, 0
-    if not hf.is_mla and any(k in hf_name for k in ("k_proj", "v_proj")) and hf.num_kv_heads < tp:
+    if split == "kv_head" and rule.part > 0 and hf.num_kv_heads < tp:  # k or v (q is part 0)
         # SGLang replicates KV heads when tp > kv heads: one head per rank
         return 0, hf.num_kv_heads, rank * hf.num_kv_heads // tp
-    return dim, tp, rank
+    return (1 if split == "col" else 0), tp, rank
 
 
 def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,

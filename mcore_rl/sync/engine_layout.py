@@ -1,5 +1,6 @@
 """Where each HF tensor lands in an SGLang engine rank: one declarative table, read by the
-sync's read-back check (`ExpectedDigests`) and by the benchmarks' SGLang-layout receivers.
+sync's read-back check (`ExpectedDigests`), by the memory planner's engine tensors
+(`mcore_rl.memory.layout.engine_tensors`) and by the benchmarks' SGLang-layout receivers.
 
 A rule matches an HF tensor by the end of its name and says which SGLang parameter receives it,
 how it is split over the engine's tensor-parallel ranks, and which part of a fused parameter it
@@ -77,6 +78,14 @@ def _rule(name: str, hf) -> Place:
     return next(r for r in SGLANG_RULES if r.applies(generic, hf))
 
 
+def engine_param(name: str, hf) -> tuple[str, Place]:
+    """The SGLang parameter HF tensor `name` lands in (experts: the layer's stacked w13/w2), and its rule."""
+    rule = _rule(name, hf)
+    if rule.split in ("moe_row", "moe_col"):
+        return name.split(".mlp.experts.")[0] + ".mlp." + rule.into, rule
+    return (name[:-len(rule.suffix)] + (rule.into or rule.suffix) if rule.suffix else name), rule
+
+
 def padded_vocab(vocab: int, tp: int, pad_to: int = 64) -> int:
     """SGLang's VocabParallelEmbedding: the vocab padded to a multiple of 64, or of 64 * tp where
     that would not split evenly (its CPU path; on GPUs SGLang refuses such a layout)."""
@@ -95,15 +104,13 @@ class Piece:
 def place(name: str, t: torch.Tensor, layout: EngineLayout, tp_rank: int, hf) -> list[Piece]:
     """The pieces of SGLang engine rank `tp_rank`'s parameters that HF tensor `name` fills (none when
     an expert lives on another EP block)."""
-    rule = _rule(name, hf)
-    target = name[:-len(rule.suffix)] + (rule.into or rule.suffix) if rule.suffix else name
+    target, rule = engine_param(name, hf)
     tp = layout.tp_size
     if rule.split in ("moe_row", "moe_col"):
         e = int(name.split(".mlp.experts.")[1].split(".")[0])
         experts = layout.experts_of(tp_rank, hf.num_experts)
         if e not in experts:
             return []
-        target = name.split(".mlp.experts.")[0] + ".mlp." + rule.into
         moe_tp, moe_rank = layout.moe_tp, tp_rank % layout.moe_tp  # SGLang: moe_tp_rank = tp_rank % moe_tp
         if rule.split == "moe_col":
             src = t.chunk(moe_tp, dim=1)[moe_rank].contiguous()
