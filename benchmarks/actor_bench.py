@@ -7,9 +7,10 @@ trainer builds it (random weights of real widths, `--layers` of them, EP = GPUs)
 actor into micro-batches up to `--budget` tokens (actor.use_dynamic_bsz), one optimizer step per
 update through megatron's schedule, DDP and distributed optimizer.
 
-Each named run (RUNS) is a set of config switches; runs that share compat patches share
-processes (actor rebuilt per run). Per run: median update time, TFLOP/s per GPU (benchmarks/flops.py:
-6 x active parameters per real token + causal attention per sequence; filler tokens not counted)
+Each named run (RUNS) is a set of config switches, in processes of its own: memory an earlier run
+left behind in the same processes raised later runs' peaks by up to 55 GiB on 2 x H200. Per run:
+median update time, TFLOP/s per GPU (benchmarks/flops.py: 6 x active parameters per real token +
+causal attention per sequence; filler tokens not counted)
 against 790 TFLOP/s and the GPU's measured matmul peak (--checks), peak memory per GPU split into
 states, the forward/backward peak and the optimizer-step peak, each beside the planner's
 prediction (mcore_rl.memory.planner) for the same layout and the largest micro-batch actually
@@ -45,14 +46,14 @@ FAST_OFF = ["actor.packed_attention=sdpa", "actor.fused_logprobs=false", "actor.
 RUNS = {
     "baseline": (FAST_OFF, ("rope_thd_no_sync", "grad_norm_no_sync"), False),
     "optimized": ([], (), False),
-    "varlen": (["actor.packed_attention=varlen"], (), False),
+    "sdpa": (["actor.packed_attention=sdpa"], (), False),  # optimized, but an SDPA call per sequence
     "recompute_full": (["memory.recompute=full"], (), True),
     "recompute_half": (["memory.recompute=full", "memory.recompute_layers={half}"], (), True),
     "recompute_moe": (["memory.recompute=selective", "memory.recompute_modules=[moe]"], (), True),
     "offload": (["memory.optimizer_offload_fraction=1.0"], (), True),
     "grad_bf16": (["memory.grad_fp32=false"], (), True),
 }
-DEFAULT_RUNS = "baseline,optimized,varlen,recompute_full,recompute_half,recompute_moe,offload"
+DEFAULT_RUNS = "baseline,sdpa,optimized,recompute_full,recompute_half,recompute_moe,offload"
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -138,6 +139,7 @@ def plan_inputs(actor, cfg: dict, tokens: int, responses: int) -> dict:
                 micro_tokens=tokens, response_tokens=responses, recompute=mode, recompute_layers=layers,
                 recompute_modules=modules, optimizer_offload_fraction=opts["offload_fraction"],
                 fused_logprobs=actor._fused_logprobs, fused_adam=opts["fused_adam"], grad_fp32=opts["grad_fp32"],
+                packed_attention=actor.packed_attention,
                 distributed_optimizer=cfg["actor"]["use_distributed_optimizer"])
 
 
@@ -347,21 +349,18 @@ def run(args) -> dict:
     from mcore_rl.parallel import free_port
 
     report = dict(device="cpu" if args.cpu else torch.cuda.get_device_name(), torch=torch.__version__,
-                  gpus=args.gpus, ep=args.gpus, layers=args.layers, budget=args.budget,
+                  gpus=args.gpus, ep=args.gpus, layers=args.layers, hf_cfg=args.hf_cfg, budget=args.budget,
                   prompt=args.prompt, response=args.response, samples_per_rank=samples_per_rank(args),
                   samples_per_rank_memory_runs=samples_per_rank(args, True),
                   command="python benchmarks/actor_bench.py " + " ".join(sys.argv[1:]), runs={})
     if args.checks:
         report["checks"] = _spawned(checks_worker, 1, (args.hf_cfg, free_port()), 1)[0]
     peak = report.get("checks", {}).get("matmul_peak_tflops", 0) * 1e12 or None
-    groups: dict[tuple, list[str]] = {}
-    for n in args.names:
-        groups.setdefault(RUNS[n][1], []).append(n)
     with tempfile.TemporaryDirectory() as hf_dir:
         with open(os.path.join(hf_dir, "config.json"), "w") as f:
             json.dump(args.hf_cfg, f)
-        for skip, names in groups.items():
-            per_run: dict[str, dict] = {}
+        for name in args.names:
+            skip, names, per_run = RUNS[name][1], [name], {}
 
             def collect(rank, name, res):
                 if "plan_inputs" in res:

@@ -75,7 +75,7 @@ class MegatronActor:
         mode, layers, modules = recompute_choice(cfg["memory"])
         tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"], dtype=dtype,
                                   recompute=mode, recompute_layers=layers, recompute_modules=modules, **bias)
-        attention = cfg["actor"]["packed_attention"]
+        attention = self.packed_attention
         self.model = build_model(self.hf, tcfg, attention=attention)
         # batches arrive and results leave on the host; the model's device does the work
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -108,6 +108,11 @@ class MegatronActor:
         return dict(grad_fp32=m["grad_fp32"], fused_adam=on(a["fused_adam"]),
                     overlap_grad_reduce=on(a["overlap_grad_reduce"]), bucket_size=a["grad_bucket_size"],
                     offload_fraction=m["optimizer_offload_fraction"])
+
+    @property
+    def packed_attention(self) -> str:
+        v = self.cfg["actor"]["packed_attention"]
+        return ("varlen" if torch.cuda.is_available() else "sdpa") if v is None else v
 
     @property
     def _fused_logprobs(self) -> bool:

@@ -165,7 +165,9 @@ class ActorConfig:
     # aux-loss-free balancing (DeepSeek-V3): expert-bias step per update; 0 keeps routing as loaded
     router_bias_update_rate: float = 0.0
     # training throughput (benchmarks/actor_bench.py); null: on with GPUs, off on CPU
-    packed_attention: Literal["sdpa", "varlen"] = "sdpa"  # an SDPA call per sequence, or one varlen flash call (GPU)
+    # one varlen flash call per micro-batch (GPU), or an SDPA call per sequence; MLA's unequal q/v head
+    # widths keep SDPA off its flash kernel, 10x slower on H200 (benchmarks/RESULTS.md, issue 15)
+    packed_attention: Literal["sdpa", "varlen"] | None = None
     fused_logprobs: bool | None = None  # log-probs and entropies without fp32 [tokens, vocab] copies (mcore_rl.head)
     fused_adam: bool | None = None  # torch's fused AdamW kernel instead of its multi-tensor ops
     overlap_grad_reduce: bool | None = None  # reduce-scatter grad buckets during the last micro-batch's backward
@@ -484,6 +486,8 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
                                         f"{r.mem_fraction_static}")
     need(0 <= mem.optimizer_offload_fraction <= 1,
          f"memory.optimizer_offload_fraction must be in [0, 1], got {mem.optimizer_offload_fraction}")
+    need(cfg.actor.packed_attention != "varlen" or cfg.cluster.device == "gpu",
+         "actor.packed_attention=varlen needs cluster.device 'gpu' (torch's varlen attention is CUDA-only)")
     need(mem.optimizer_offload_fraction == 0 or cfg.cluster.device == "gpu",
          "memory.optimizer_offload_fraction > 0 needs cluster.device 'gpu' (megatron's hybrid optimizer "
          "copies over CUDA streams)")

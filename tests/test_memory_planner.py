@@ -141,10 +141,13 @@ def test_activations_follow_the_documented_estimate():
     i = PlanInputs(capacity=80 * GiB, world=16, tp=tp, ep=8, micro_tokens=T, response_tokens=n,
                    fused_logprobs=False)
     moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
-    layers = 27 * 153 * T * H // tp + 26 * moe
+    layers = 27 * 42 * T * H // tp + 26 * moe
     assert trainer_bytes(hf, i, 0)["megatron activations"] == layers + 2 * T * V + 14 * n * V
     fused = dataclasses.replace(i, fused_logprobs=True)  # bf16 rows kept + one fp32 chunk
     assert trainer_bytes(hf, fused, 0)["megatron activations"] == layers + 2 * T * V + 2 * n * V + (1 << 29)
+    sdpa = dataclasses.replace(i, packed_attention="sdpa")  # each sequence's attention scores stored too
+    assert trainer_bytes(hf, sdpa, 0)["megatron activations"] - trainer_bytes(hf, i, 0)["megatron activations"] \
+        == 27 * (153 - 42) * T * H // tp
 
 
 def _moonlight_train(**kw) -> dict:
@@ -157,7 +160,7 @@ def test_recompute_choices_keep_what_the_docstring_says():
     c = MOONLIGHT
     T, H, tp, L = 8192, c["hidden_size"], 2, c["num_hidden_layers"]
     moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
-    dense_layer, moe_layer = 153 * T * H // tp, 153 * T * H // tp + moe
+    dense_layer, moe_layer = 42 * T * H // tp, 42 * T * H // tp + moe
     head = 2 * T * c["vocab_size"]  # no response rows
     act = lambda **kw: _moonlight_train(**kw)["megatron activations"]  # noqa: E731
     assert act() == dense_layer + 26 * moe_layer + head
@@ -189,13 +192,18 @@ def test_optimizer_offload_and_fused_adam():
 
 
 def test_config_options_reach_the_plan():
-    from mcore_rl.config import load_config
+    from mcore_rl.config import ConfigError, load_config
 
     cfg = load_config(MOONLIGHT_YAML, ["memory.recompute=selective", "memory.recompute_modules=[moe]",
                                        "memory.optimizer_offload_fraction=0.25", "actor.fused_adam=false"])
     i = PlanInputs.from_config(cfg, 80 * GiB)
     assert (i.recompute, i.recompute_modules, i.optimizer_offload_fraction) == ("selective", ("moe",), 0.25)
     assert i.fused_logprobs and not i.fused_adam  # null follows the device (gpu), false stays false
+    assert i.packed_attention == "varlen"
+    assert PlanInputs.from_config(load_config(MOONLIGHT_YAML, ["actor.packed_attention=sdpa"]),
+                                  80 * GiB).packed_attention == "sdpa"
+    with pytest.raises(ConfigError, match="packed_attention=varlen needs cluster.device 'gpu'"):
+        load_config(MOONLIGHT_YAML, ["cluster.device=cpu", "actor.packed_attention=varlen"])
     # 6144-token micro-batches of 1024-token prompts and 4096-token responses: 4/5 of them responses
     assert i.response_tokens == -(-6144 * 4096 // 5120)  # rounded up
     legacy = PlanInputs.from_config(load_config(MOONLIGHT_YAML, ["memory.recompute_activations=true"]), 80 * GiB)

@@ -17,11 +17,15 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                per layer ACT * T * h / tp, plus T * topk / tp * (2h + 3 * I_moe / etp) * 2 for the
                routed experts of an MoE layer (balanced routing: each rank of the EP group gets its
                share of the T / tp tokens every TP rank holds under sequence parallelism).
-               ACT = 153 fits both H200 runs of benchmarks/RESULTS.md (TP2xEP4 27 layers, TP1xEP4
-               16 layers, 4 x 2064-token micro-batches with 16 response tokens each) within 0.5 %.
-               It holds what Korthikanti et al.'s 34 (bf16, sequence parallel, no s^2 term with
-               flash attention) leaves out: MLA's wider q/k/v, RoPE'd copies, norms in fp32,
-               shared experts, router and dispatch.
+               ACT depends on the packed attention (actor.packed_attention). "varlen" (one flash
+               call, the GPU default): ACT = 42, fitted on seven 2 x H200 EP=2 runs of 8 Moonlight
+               layers at 14-16 k-token micro-batches (benchmarks/RESULTS.md, issue 15): every
+               recompute and offload choice within 2.1 % of the measured peak. Korthikanti et al.'s
+               34 (bf16, sequence parallel, flash attention) leaves out MLA's wider q/k/v, RoPE'd
+               copies, norms in fp32, shared experts, router and dispatch. "sdpa" (an SDPA call per
+               sequence; MLA's unequal q/v widths keep it off flash kernels, so each sequence's
+               scores are stored): ACT = 153, fitted on the H200 runs at 2064-token sequences; it
+               over-predicts by 8 % at 14 k-token micro-batches of 512-4096-token sequences.
                Recompute: full keeps 2 * T * h / tp per recomputed layer (its input) and, when every
                layer is recomputed, one layer's full set while it is rebuilt in backward;
                recompute_layers = N recomputes the first N layers of the stage (megatron's block
@@ -85,7 +89,7 @@ class PlanError(RuntimeError):
 
 
 
-ACT = 153  # activation bytes per token and hidden unit per layer (see the docstring)
+ACT = {"varlen": 42, "sdpa": 153}  # activation bytes per token and hidden unit per layer, by attention (docstring)
 HEAD_PLAIN = 14  # bytes per response token and vocabulary entry of the autograd log-prob chain
 HEAD_FUSED = 2  # the same through mcore_rl.head: the bf16 rows it keeps
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -122,10 +126,13 @@ class PlanInputs:
     fused_logprobs: bool = True
     fused_adam: bool = True
     hook_mode: str = "preload"
+    packed_attention: str = "varlen"  # varlen | sdpa (actor.packed_attention)
 
     def __post_init__(self):
         if isinstance(self.recompute, bool):  # the older boolean: full recompute
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.packed_attention not in ACT:
+            raise ValueError(f"packed_attention {self.packed_attention!r}: expected one of {tuple(ACT)}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute {self.recompute!r}: expected one of {RECOMPUTE_MODES}")
         object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
@@ -146,6 +153,7 @@ class PlanInputs:
             optimizer_offload_fraction=m.optimizer_offload_fraction,
             fused_logprobs=gpu if a.fused_logprobs is None else a.fused_logprobs,
             fused_adam=gpu if a.fused_adam is None else a.fused_adam,
+            packed_attention=a.packed_attention or ("varlen" if gpu else "sdpa"),
             rollout_tp=r.tp_size, rollout_ep=r.ep_size,
             mem_fraction_static=None if m.auto_mem_fraction else r.mem_fraction_static,
             seq_len=seq, cuda_graph_max_bs=r.cuda_graph_max_bs, chunked_prefill_size=r.chunked_prefill_size,
@@ -237,7 +245,7 @@ def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
     layers = stage_layers(hf, i.pp)[stage]
 
     def full(layer: int) -> int:
-        a = ACT * T * h // i.tp
+        a = ACT[i.packed_attention] * T * h // i.tp
         if hf.is_moe_layer(layer):
             a += T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
         return a
