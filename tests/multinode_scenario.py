@@ -1,6 +1,6 @@
 """One SGLang engine spanning two "nodes": raylets of `ray.cluster_utils.Cluster` on one host.
 
-    python tests/multinode_scenario.py --device cpu|gpu --out result.json [--steps 2] [--skip-train]
+    python tests/multinode_scenario.py --device cpu|gpu --out result.json [--steps 2] [--parts greedy,colocated,separate]
 
 1. reference: a TP=2 engine on one node (a plain process, both GPUs / two CPU ranks), greedy tokens;
 2. the same model as a TP=2 engine of nnodes=2 (node_rank 0 on the head raylet, node_rank 1 on the
@@ -8,7 +8,10 @@
 3. `python -m mcore_rl.train` joining that cluster (RAY_ADDRESS): 2 trainer ranks (one per node,
    EP=2) colocated with the nnodes=2 engine, `rollout.verify_sync_every=1`: every sync read back
    from both nodes' ranks; then the same with the engine on nodes of its own (colocate=false,
-   broadcast over an update group spanning the nodes; CPU only: it needs 4 "GPUs" per the layout).
+   broadcast over an update group spanning the nodes). On CPU that engine is the nnodes=2 one on two
+   more raylets; 2 GPUs hold only a TP=1 engine on the raylet beside the trainer's (an nnodes=2 engine
+   of its own plus a trainer GPU needs 3), so there the update group spans the two raylets.
+`--parts` runs a subset, so each fits one call of a lent GPU machine.
 On GPUs each raylet is started with CUDA_VISIBLE_DEVICES set to its own GPU, so Ray's GPU ids are
 physical ids. Prints a JSON summary; exit 0 when every check passed.
 """
@@ -30,6 +33,8 @@ sys.path.insert(0, str(REPO))
 PROMPTS = [[11, 12, 13, 14], [21, 22, 23], [5, 6, 7, 8, 9]]
 # SGLang's CPU engine at tp 2 pads MLP widths to multiples of 64 (mcore_rl.rollout.launch._check_cpu_tp)
 WIDE = ["model.hf_config.moe_intermediate_size=64"]
+PARTS = ("greedy", "colocated", "separate")
+GPU_TWO_RANKS = ["actor.micro_batch_size=64"]  # configs/tiny_gpu.yaml's 128 is one rank's whole mini-batch
 GPU_MODEL = dict(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
@@ -92,6 +97,7 @@ def start_cluster(device: str, temp: str, count: int = 2, cpus: int = 1):
     so Ray's GPU ids are physical ids), on CPU `cpus` CPUs each (a trainer rank takes one)."""
     from ray.cluster_utils import Cluster
 
+    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes the head's address there, not under temp_dir
     common = dict(node_ip_address="127.0.0.1", temp_dir=temp, object_store_memory=200 << 20)
     per = dict(num_cpus=cpus) if device == "cpu" else dict(num_cpus=4, num_gpus=1)
     nodes = []
@@ -163,35 +169,50 @@ def main() -> int:
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="comma-separated, of: greedy (one-node vs two-node tokens), colocated, separate")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        sys.exit(f"--parts: unknown {sorted(parts - set(PARTS))}; known: {', '.join(PARTS)}")
     if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         sys.exit("set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (keeps the raylets on loopback)")
     work = tempfile.mkdtemp(prefix="mrl-mn-", dir="/tmp")
     model_dir = make_model(os.path.join(work, "hf"), args.device)
     result: dict = {"device": args.device}
-    ref = os.path.join(work, "one_node.json")
-    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); "
-                    f"from tests.multinode_scenario import _greedy_one_node; "
-                    f"_greedy_one_node({model_dir!r}, {args.device!r}, {ref!r})"], check=True, timeout=900)
-    result["one_node_tokens"] = json.loads(Path(ref).read_text())
+    checks = {}
     import ray
 
+    if "greedy" in parts:
+        ref = os.path.join(work, "one_node.json")
+        subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+                        f"from tests.multinode_scenario import _greedy_one_node; "
+                        f"_greedy_one_node({model_dir!r}, {args.device!r}, {ref!r})"], check=True, timeout=900)
+        result["one_node_tokens"] = json.loads(Path(ref).read_text())
     cluster, nodes = start_cluster(args.device, os.path.join(work, "ray"))
     try:
-        ray.init(address=cluster.address, log_to_driver=os.environ.get("MCORE_RL_SCENARIO_LOGS") == "1")
-        result["two_node_tokens"], (where, ranks) = greedy_two_nodes(model_dir, args.device, nodes)
-        result["engine_nodes_on"] = [nodes.index(n) for n in where]
-        result["read_back_tp_ranks"] = ranks
-        ray.shutdown()
-        if not args.skip_train:  # trainer rank k and engine node_rank k on raylet k, fed over IPC / by value
+        if "greedy" in parts:
+            ray.init(address=cluster.address, log_to_driver=os.environ.get("MCORE_RL_SCENARIO_LOGS") == "1")
+            result["two_node_tokens"], (where, ranks) = greedy_two_nodes(model_dir, args.device, nodes)
+            result["engine_nodes_on"] = [nodes.index(n) for n in where]
+            result["read_back_tp_ranks"] = ranks
+            ray.shutdown()
+            checks.update(same_greedy_tokens=result["one_node_tokens"] == result["two_node_tokens"],
+                          engine_spans_both_raylets=sorted(result["engine_nodes_on"]) == [0, 1],
+                          both_tp_ranks_read_back=result["read_back_tp_ranks"] == [0, 1])
+        if "colocated" in parts:  # trainer rank k and engine node_rank k on raylet k, fed over IPC / by value
             result["train_colocated"] = train(cluster.address, args.device, os.path.join(work, "colo"), args.steps,
                                               ["cluster.nnodes=2", "cluster.n_gpus_per_node=1", "rollout.tp_size=2",
-                                               "parallel.ep=2", *WIDE])
+                                               "parallel.ep=2", *WIDE,
+                                               *(GPU_TWO_RANKS if args.device == "gpu" else [])])
+        if "separate" in parts and args.device == "gpu":  # trainer on raylet 0, a TP=1 engine on raylet 1
+            result["train_separate"] = train(cluster.address, "gpu", os.path.join(work, "sep"), args.steps,
+                                             ["cluster.nnodes=2", "cluster.n_gpus_per_node=1", "cluster.colocate=false",
+                                              "cluster.rollout_gpus=1", "rollout.tp_size=1", "parallel.ep=1", *WIDE])
     finally:
         ray.shutdown()
         cluster.shutdown()
-    if args.device == "cpu" and not args.skip_train:
+    if "separate" in parts and args.device == "cpu":
         # the engine on raylets of its own: the trainer on one, a TP=2 engine over two more (a rank each),
         # fed by trainer rank 0 over an update group spanning the three (gloo standing in for NCCL)
         cluster, _ = start_cluster("cpu", os.path.join(work, "ray3"), count=3, cpus=1)
@@ -201,9 +222,6 @@ def main() -> int:
                                               "cluster.rollout_gpus=2", "rollout.tp_size=2", "parallel.ep=1", *WIDE])
         finally:
             cluster.shutdown()
-    checks = {"same_greedy_tokens": result["one_node_tokens"] == result["two_node_tokens"],
-              "engine_spans_both_raylets": sorted(result["engine_nodes_on"]) == [0, 1],
-              "both_tp_ranks_read_back": result["read_back_tp_ranks"] == [0, 1]}
     for name in ("train_colocated", "train_separate"):
         if name in result:
             r = result[name]
@@ -213,7 +231,8 @@ def main() -> int:
                                                                                            else 3e-2) for s in trained)
     result["checks"] = checks
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps({"checks": checks, **{k: result[k] for k in ("one_node_tokens", "two_node_tokens")}}, indent=1))
+    print(json.dumps({"checks": checks, **{k: result[k] for k in ("one_node_tokens", "two_node_tokens") if k in result}},
+                     indent=1))
     return 0 if all(checks.values()) else 1
 
 

@@ -32,9 +32,15 @@ for part in "$@"; do
     colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 actor.micro_batch_size=64 trainer.total_training_steps=20 ;;
     separate) train separate cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 trainer.total_training_steps=20 ;;
     single) train single trainer.total_training_steps=30 ;;
-    multinode) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --out "$OUT/multinode.json" 2>&1 | quiet | tail -30 ;;
+    multinode) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --parts colocated \
+                 --out "$OUT/multinode_colocated.json" 2>&1 | quiet | tail -30 ;;
+    multinode_separate) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --parts separate \
+                 --out "$OUT/multinode_separate.json" 2>&1 | quiet | tail -30 ;;
     actor) timeout 580 python3 benchmarks/actor_bench.py --gpus 2 --layers 8 --budget 16384 --micro-batches 6 --steps 2 \
-             --checks --profile --runs baseline,optimized --out "$OUT/actor_h200x2.json" 2>&1 | quiet | tail -60 ;;
+             --checks --profile --runs baseline,sdpa,optimized --out "$OUT/actor_h200x2.json" 2>&1 | quiet | tail -60 ;;
+    actor_memory) timeout 580 python3 benchmarks/actor_bench.py --gpus 2 --layers 8 --budget 16384 --steps 1 \
+             --runs recompute_full,recompute_half,recompute_moe,offload,grad_bf16 --out "$OUT/actor_memory_h200x2.json" \
+             2>&1 | quiet | tail -20 ;;
     loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
