@@ -75,6 +75,39 @@ def make_models(root, families: tuple[str, ...], engine_model_dir) -> dict:
             for fam in families}
 
 
+def engine_fixtures(engine: str, starter, engine_model_dir, families: tuple[str, ...]):
+    """An engine test module's two module fixtures: `models` (make_models of `families`, the MoE
+    model first) and `ds_two` (two data-parallel engines of the MoE model, started by `starter`).
+    Assign both at the module's top level: `models, ds_two = engine_fixtures(...)`."""
+
+    @pytest.fixture(scope="module", name="models")
+    def models(tmp_path_factory):
+        return make_models(tmp_path_factory.mktemp("rollout_models"), families, engine_model_dir)
+
+    @pytest.fixture(scope="module", name="ds_two")
+    def ds_two(ray_cluster, models):
+        with running(ray_cluster, starter, engine, models[families[0]][1], engines=2) as group:
+            yield group
+
+    return models, ds_two
+
+
+class EngineContract:
+    """What every engine passes, on its module's `models` and `ds_two` fixtures (engine_fixtures):
+    the engine's test module subclasses it as `TestEngineContract`, with `moe` naming the MoE family."""
+
+    moe: str
+
+    def test_greedy_tokens_and_logprobs_equal_transformers(self, ds_two, models):
+        check_against_transformers(ds_two, models[self.moe][0])
+
+    def test_samples_per_prompt_seeds_stop_ids_and_length(self, ds_two):
+        check_samples_seeds_stop_ids_and_length(ds_two)
+
+    def test_order_is_kept_across_two_engines(self, ds_two):
+        check_order_across_two_engines(ds_two)
+
+
 def transformers_greedy(model, prompt: list[int], steps: int, stop_id: int = STOP):
     """Greedy tokens and their log-probs from transformers' forward, stopping after `stop_id`."""
     ids, logps = torch.tensor([prompt]), []

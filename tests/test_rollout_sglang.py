@@ -9,41 +9,19 @@ within the deadline, and no engine process outlives shutdown).
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from mcore_rl.parallel import LISTEN_PORTS
 from mcore_rl.rollout.launch import start_sglang
+from mcore_rl.rollout.sglang import engine_model_dir
 from tests import rollout_checks as R
 from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
 
-running = functools.partial(R.running, starter=start_sglang, engine="sglang")
+models, ds_two = R.engine_fixtures("sglang", start_sglang, engine_model_dir, ("deepseek_v3", "qwen2"))
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from mcore_rl.rollout.sglang import engine_model_dir
-
-    return R.make_models(tmp_path_factory.mktemp("rollout_models"), ("deepseek_v3", "qwen2"), engine_model_dir)
-
-
-@pytest.fixture(scope="module")
-def ds_two(ray_cluster, models):  # noqa: F811 - the fixture
-    with running(ray_cluster, model_dir=models["deepseek_v3"][1], engines=2) as group:
-        yield group
-
-
-def test_deepseek_greedy_tokens_and_logprobs_equal_transformers(ds_two, models):
-    R.check_against_transformers(ds_two, models["deepseek_v3"][0])
-
-
-def test_samples_per_prompt_seeds_stop_ids_and_length(ds_two):
-    R.check_samples_seeds_stop_ids_and_length(ds_two)
-
-
-def test_order_is_kept_across_two_engines(ds_two):
-    R.check_order_across_two_engines(ds_two)
+class TestEngineContract(R.EngineContract):
+    moe = "deepseek_v3"
 
 
 def test_release_resume_then_generate(ds_two, models):
@@ -66,8 +44,8 @@ def test_release_right_after_generate(ds_two):
     assert all(h["alive"] for h in ds_two.health())
 
 
-def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - the fixture
-    with running(ray_cluster, model_dir=models["qwen2"][1], engines=1, tp=2) as group:
+def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - fixtures
+    with R.running(ray_cluster, start_sglang, "sglang", models["qwen2"][1], engines=1, tp=2) as group:
         R.check_against_transformers(group, models["qwen2"][0])
         lo, hi = LISTEN_PORTS  # the ranks met at our port, not at SGLang's ephemeral pick
         assert all(lo <= h["nccl_port"] < hi for h in group.health()), group.health()
@@ -77,7 +55,7 @@ def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - th
         assert digests[0][qkv][1] == [64, 64] and digests[0][qkv][3:] != digests[1][qkv][3:]  # split over TP
 
 
-def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - the fixture
+def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - fixtures
     group = R.start(ray_cluster, start_sglang, "sglang", models["qwen2"][1], timeout_s=20)
     procs = R.engine_processes(group)
     schedulers = [p for p in procs if "sglang" in " ".join(p.cmdline()).lower() or p.name().startswith("sglang")]

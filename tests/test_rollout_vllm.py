@@ -11,7 +11,6 @@ bad update is refused with the engine's weights intact.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -19,35 +18,16 @@ import torch
 
 from mcore_rl.rollout.base import EngineError, SamplingParams
 from mcore_rl.rollout.launch import start_vllm
+from mcore_rl.rollout.vllm import engine_model_dir
 from tests import rollout_checks as R
 from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
 
-running = functools.partial(R.running, starter=start_vllm, engine="vllm")
+models, ds_two = R.engine_fixtures("vllm", start_vllm, engine_model_dir, ("deepseek_v3_vllm", "qwen2_vllm"))
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from mcore_rl.rollout.vllm import engine_model_dir
+class TestEngineContract(R.EngineContract):
+    moe = "deepseek_v3_vllm"
 
-    return R.make_models(tmp_path_factory.mktemp("rollout_models"), ("deepseek_v3_vllm", "qwen2_vllm"), engine_model_dir)
-
-
-@pytest.fixture(scope="module")
-def ds_two(ray_cluster, models):  # noqa: F811 - the fixture
-    with running(ray_cluster, model_dir=models["deepseek_v3_vllm"][1], engines=2) as group:
-        yield group
-
-
-def test_deepseek_greedy_tokens_and_logprobs_equal_transformers(ds_two, models):
-    R.check_against_transformers(ds_two, models["deepseek_v3_vllm"][0])
-
-
-def test_samples_per_prompt_seeds_stop_ids_and_length(ds_two):
-    R.check_samples_seeds_stop_ids_and_length(ds_two)
-
-
-def test_order_is_kept_across_two_engines(ds_two):
-    R.check_order_across_two_engines(ds_two)
 
 
 def test_sampled_logprobs_are_after_temperature(ds_two, models):
@@ -141,12 +121,12 @@ def test_a_bad_update_is_refused_and_the_engine_keeps_its_weights(ds_two, models
     R.check_against_transformers(ds_two, hf, R.PROMPTS[:2], steps=4)
 
 
-def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - the fixture
-    with running(ray_cluster, model_dir=models["qwen2_vllm"][1], engines=1, tp=2) as group:
+def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - fixtures
+    with R.running(ray_cluster, start_vllm, "vllm", models["qwen2_vllm"][1], engines=1, tp=2) as group:
         R.check_against_transformers(group, models["qwen2_vllm"][0])
 
 
-def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - the fixture
+def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - fixtures
     """vLLM's processes stopped: the deadline; killed mid-rollout: vLLM itself would block for ever
     (0.32), the watchdog makes it an error at once."""
     group = R.start(ray_cluster, start_vllm, "vllm", models["qwen2_vllm"][1], timeout_s=20)
