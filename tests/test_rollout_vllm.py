@@ -18,7 +18,7 @@ import torch
 
 from mcore_rl.rollout.base import EngineError, SamplingParams
 from mcore_rl.rollout.launch import start_vllm
-from mcore_rl.rollout.vllm import engine_model_dir
+from mcore_rl.rollout.vllm import amx_mla_fits, engine_model_dir
 from tests import rollout_checks as R
 from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
 
@@ -28,6 +28,25 @@ models, ds_two = R.engine_fixtures("vllm", start_vllm, engine_model_dir, ("deeps
 class TestEngineContract(R.EngineContract):
     moe = "deepseek_v3_vllm"
 
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vLLM's AMX MLA kernels need AMX tiles")
+def test_amx_mla_rule_is_what_vllms_kernel_takes():
+    """`amx_mla_fits` against vLLM's own weight packing (the MLA matrices it absorbs at load)."""
+    pytest.importorskip("vllm._custom_ops")
+
+    def packs(dtype, heads, out_width, in_width) -> bool:
+        try:
+            torch.ops._C.convert_weight_packed(torch.zeros(heads, out_width, in_width, dtype=dtype))
+            return True
+        except RuntimeError:
+            return False
+
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        for nope, rank, v in ((16, 512, 16), (32, 512, 16), (128, 512, 128), (32, 48, 32), (64, 512, 24)):
+            # (N, kv_lora_rank, qk_nope_head_dim) and (N, v_head_dim, kv_lora_rank), as vLLM packs them
+            kernel = packs(dtype, 2, rank, nope) and packs(dtype, 2, v, rank)
+            hf = dict(qk_nope_head_dim=nope, kv_lora_rank=rank, v_head_dim=v)
+            assert amx_mla_fits(hf, name) == kernel, (name, hf, kernel)
 
 
 def test_sampled_logprobs_are_after_temperature(ds_two, models):

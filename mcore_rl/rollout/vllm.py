@@ -53,14 +53,26 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, mem_fraction: float) 
         from mcore_rl.models.config import HFModel
 
         # the planner counts 2-byte entries; the CPU cache holds the model dtype's
-        per_token = kv_bytes_per_token(HFModel.from_dir(model_dir), layout.tp_size) * DTYPE_BYTES[cfg.model.dtype] // 2
+        hf = HFModel.from_dir(model_dir)
+        per_token = kv_bytes_per_token(hf, layout.tp_size) * DTYPE_BYTES[cfg.model.dtype] // 2
         # its C++ rotary op is wrong for MLA's 3-D, strided queries on CPU (0.32); the torch one is right
         args.update(enforce_eager=True, kv_cache_memory_bytes=r.cpu_kv_tokens * per_token,
                     compilation_config={"custom_ops": ["-rotary_embedding"]})
+        if "kv_lora_rank" in hf.cfg and not amx_mla_fits(hf.cfg, cfg.model.dtype):
+            args.update(attention_backend="CPU_MLA")
     else:
         args.update(gpu_memory_utilization=mem_fraction,
                     enable_sleep_mode=r.enable_memory_saver and cfg.cluster.colocate)
     return args
+
+
+def amx_mla_fits(hf: dict, dtype: str) -> bool:
+    """Whether vLLM's AMX MLA kernels take this model. vLLM 0.32 picks them on any CPU with AMX tiles,
+    whatever the model, and fails at load unless the weights are bf16 and the absorbed matrices fit its
+    VNNI packing (input widths qk_nope_head_dim, kv_lora_rank multiples of 32; output widths
+    kv_lora_rank, v_head_dim multiples of 16); elsewhere we ask for its reference CPU MLA backend."""
+    return (dtype == "bf16" and hf["qk_nope_head_dim"] % 32 == 0 and hf["kv_lora_rank"] % 32 == 0
+            and hf["v_head_dim"] % 16 == 0)
 
 
 def engine_env(cfg, layout: EngineLayout) -> dict:
