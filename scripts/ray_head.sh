@@ -26,36 +26,19 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 
 usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 
-node_ip="${MCORE_RL_NODE_IP:-}"
-ifname=""
+ray_start_defaults
 port="${RAY_HEAD_PORT:-6379}"
 dash_host=127.0.0.1
 dash_all=0
 dash_port="${RAY_DASHBOARD_PORT:-8265}"
-num_cpus=""
-num_gpus=""
-temp_dir=""
-block=0
-dry_run=0
-extra=()
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --node-ip-address) need_arg "$1" $#; node_ip="$2"; shift 2 ;;
-        --ifname) need_arg "$1" $#; ifname="$2"; shift 2 ;;
         --port) need_arg "$1" $#; port="$2"; shift 2 ;;
         --dashboard-host) need_arg "$1" $#; dash_host="$2"; shift 2 ;;
         --dashboard-all-interfaces) dash_all=1; shift ;;
         --dashboard-port) need_arg "$1" $#; dash_port="$2"; shift 2 ;;
-        --num-cpus) need_arg "$1" $#; num_cpus="$2"; shift 2 ;;
-        --num-gpus) need_arg "$1" $#; num_gpus="$2"; shift 2 ;;
-        --temp-dir) need_arg "$1" $#; temp_dir="$2"; shift 2 ;;
-        --token-file) need_arg "$1" $#; export RAY_AUTH_TOKEN_PATH="$2"; shift 2 ;;
-        --block) block=1; shift ;;
-        --dry-run) dry_run=1; shift ;;
-        -h | --help) usage; exit 0 ;;
-        --) shift; extra=("$@"); break ;;
-        *) die "unknown option '$1' (see --help)" ;;
+        *) ray_start_opt "$@"; shift "$RAY_OPT_SHIFT" ;;
     esac
 done
 

@@ -22,32 +22,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 
 usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 
+ray_start_defaults
 head_addr="${RAY_HEAD_ADDRESS:-}"
-node_ip="${MCORE_RL_NODE_IP:-}"
-ifname=""
-num_cpus=""
-num_gpus=""
-temp_dir=""
 wait_s=0
-block=0
-dry_run=0
-extra=()
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --head-address | --address) need_arg "$1" $#; head_addr="$2"; shift 2 ;;
-        --node-ip-address) need_arg "$1" $#; node_ip="$2"; shift 2 ;;
-        --ifname) need_arg "$1" $#; ifname="$2"; shift 2 ;;
-        --num-cpus) need_arg "$1" $#; num_cpus="$2"; shift 2 ;;
-        --num-gpus) need_arg "$1" $#; num_gpus="$2"; shift 2 ;;
-        --temp-dir) need_arg "$1" $#; temp_dir="$2"; shift 2 ;;
-        --token-file) need_arg "$1" $#; export RAY_AUTH_TOKEN_PATH="$2"; shift 2 ;;
         --wait-for-head) need_arg "$1" $#; wait_s="$2"; shift 2 ;;
-        --block) block=1; shift ;;
-        --dry-run) dry_run=1; shift ;;
-        -h | --help) usage; exit 0 ;;
-        --) shift; extra=("$@"); break ;;
-        *) die "unknown option '$1' (see --help)" ;;
+        *) ray_start_opt "$@"; shift "$RAY_OPT_SHIFT" ;;
     esac
 done
 

@@ -50,6 +50,38 @@ check_bind_address() {
     esac
 }
 
+# The option variables both ray_*.sh scripts share, before their own defaults.
+ray_start_defaults() {
+    node_ip="${MCORE_RL_NODE_IP:-}"
+    ifname=""
+    num_cpus=""
+    num_gpus=""
+    temp_dir=""
+    block=0
+    dry_run=0
+    extra=()
+}
+
+# ray_start_opt "$@": take one option both ray_*.sh scripts share (their --help texts say what each
+# means) into the caller's variables; RAY_OPT_SHIFT says how many arguments it used.
+# shellcheck disable=SC2034  # the variables belong to the calling script
+ray_start_opt() {
+    RAY_OPT_SHIFT=2
+    case "$1" in
+        --node-ip-address) need_arg "$1" $#; node_ip="$2" ;;
+        --ifname) need_arg "$1" $#; ifname="$2" ;;
+        --num-cpus) need_arg "$1" $#; num_cpus="$2" ;;
+        --num-gpus) need_arg "$1" $#; num_gpus="$2" ;;
+        --temp-dir) need_arg "$1" $#; temp_dir="$2" ;;
+        --token-file) need_arg "$1" $#; export RAY_AUTH_TOKEN_PATH="$2" ;;
+        --block) block=1; RAY_OPT_SHIFT=1 ;;
+        --dry-run) dry_run=1; RAY_OPT_SHIFT=1 ;;
+        -h | --help) usage; exit 0 ;;
+        --) extra=("${@:2}"); RAY_OPT_SHIFT=$# ;;
+        *) die "unknown option '$1' (see --help)" ;;
+    esac
+}
+
 # Options `ray start` takes the same way on head and workers; the caller's array `cmd` grows.
 # On --dry-run, print the command and exit.
 # shellcheck disable=SC2154  # the option variables belong to the calling script
