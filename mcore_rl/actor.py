@@ -250,6 +250,10 @@ class MegatronActor:
         if self.device.type == "cuda":
             self._state_offloader().onload()
 
+    def gpu_free_bytes(self) -> int:
+        """Free memory of this rank's GPU, every process's use counted (the colocated resume guard)."""
+        return torch.cuda.mem_get_info(self.device)[0]
+
     # ---- per-token outputs of the policy, the reference and the critic ---------------------------
     @torch.no_grad()
     def _per_response_token(self, model, batch: dict, values: bool) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 
 import torch
@@ -90,13 +91,17 @@ class Phases:
     """Who holds the GPUs: with an engine of its own weights, colocated, the Colocation choreography
     (mcore_rl.memory.colocate) around each update; otherwise just the sync after it."""
 
-    def __init__(self, cfg: C.Config, group: ActorGroup, engine, sync):
+    def __init__(self, cfg: C.Config, group: ActorGroup, engine, sync, plan=None):
         from mcore_rl.memory.colocate import Colocation
 
         self.sync, self.colo = sync, None
         if engine.owns_weights and cfg.cluster.colocate:
             trainer = _Trainer(group)
-            self.colo = Colocation(engine, trainer, sync, offload_train_states=cfg.memory.offload_train_states)
+            # with a plan, each resume is checked against the least free memory of the trainer's GPUs
+            guard = dict(free_bytes=lambda: min(group.call("gpu_free_bytes")),
+                         resume_needs=plan.resume_needs()) if plan is not None else {}
+            self.colo = Colocation(engine, trainer, sync, offload_train_states=cfg.memory.offload_train_states,
+                                   **guard)
 
     def to_train(self) -> dict:
         if self.colo is None:
@@ -212,6 +217,18 @@ def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
     return init
 
 
+def memory_plan(cfg: C.Config):
+    """The memory plan of a GPU run (None on CPU), made before anything takes GPU memory, so that
+    its capacity is the GPUs' free memory; a plan that cannot fit raises PlanError here."""
+    if cfg.cluster.device != "gpu":
+        return None
+    from mcore_rl.plan import plan_for_config
+
+    plan, source = plan_for_config(cfg)
+    print(f"memory plan per GPU (capacity from {source}):\n{plan.table()}", flush=True)
+    return plan
+
+
 def train(cfg: C.Config) -> dict:
     import ray
 
@@ -222,6 +239,7 @@ def train(cfg: C.Config) -> dict:
     ckpt_root = os.path.join(run_dir, "checkpoints")
     os.makedirs(run_dir, exist_ok=True)
     hf_dir = prepare_model(cfg, run_dir)
+    plan = memory_plan(cfg)
     train_task, val_task = load_prompt_sources(cfg)
     init = initial_checkpoints(cfg, hf_dir, run_dir)
     if not ray.is_initialized():
@@ -245,13 +263,15 @@ def train(cfg: C.Config) -> dict:
         from mcore_rl.ppo import stop_ids
         from mcore_rl.rollout.launch import launch
 
+        if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
+            group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
         engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
-                              train_task.tokenizer.pad_token_id or 0)
+                              train_task.tokenizer.pad_token_id or 0, plan)
         first = {}
         if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
             first = sync(start)
             print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in first.items()}), flush=True)
-        phases = Phases(cfg, group, engine, sync)
+        phases = Phases(cfg, group, engine, sync, plan)
         return _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state, first)
     finally:
         if engine is not None:
@@ -377,8 +397,19 @@ def main(argv: list[str] | None = None) -> int:
         C.require_model_dirs(cfg)
     except BAD_INPUT as e:
         return report(e)
+    from mcore_rl.memory.gpus import GpuSelectionError
+    from mcore_rl.memory.planner import PlanError
+
     t0 = time.perf_counter()
-    m = train(cfg)
+    try:
+        m = train(cfg)
+    except GpuSelectionError as e:
+        return report(e)
+    except PlanError as e:  # from memory_plan, before anything started
+        if e.plan is not None:
+            print(e.plan.table())
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"done in {time.perf_counter() - t0:.0f}s: " + json.dumps({k: round(v, 4) for k, v in m.items()
                                                                     if k.startswith(("reward", "val"))}))
     return 0

@@ -331,3 +331,46 @@ def test_rank_counts_match_megatron_models_built_at_each_layout(tmp_path):
             stage = rank if full["pp"] == 2 else 0
             want = megatron_rank_numel(inventory(hf), hf, stage=stage, **full)
             assert want["dense"] + want["expert"] == n, (lay, rank)
+
+
+# ----------------------------------------------------------------------------- the plan in a run
+TINY_GPU_YAML = os.path.join(ROOT, "configs", "tiny_gpu.yaml")
+
+
+@pytest.mark.parametrize("hook_mode", ["preload", "torch"])
+def test_resume_needs_are_what_each_engine_resume_brings_back(hook_mode):
+    plan = make_plan(HFModel.from_dict(MOONLIGHT), PlanInputs(capacity=80 * GiB, world=16, tp=2, ep=8, rollout_tp=16,
+                                                              rollout_ep=16, hook_mode=hook_mode))
+    r, needs = plan.phases["rollout"], plan.resume_needs()
+    assert needs["weights"] == r["engine weights"] > 0
+    # graphs the saver cannot release (hook mode torch) stay resident, so their resume takes nothing
+    graphs = r["engine cuda graphs"] if hook_mode == "preload" else 0
+    assert needs["kv_cache"] == r["engine kv cache"] + graphs > 0
+
+
+def test_a_gpu_engine_gets_the_planned_fraction_and_kv_tokens():
+    """SGLang applies mem_fraction_static to the free memory it finds, which still holds what the plan
+    keeps out; the plan's token count caps the pool (SGLang takes the smaller)."""
+    from mcore_rl.config import load_config
+    from mcore_rl.plan import plan_for_config
+    from mcore_rl.rollout import sglang as S
+    from mcore_rl.rollout.launch import _engine_memory
+    from mcore_rl.sync.plan import EngineLayout
+
+    cfg = load_config(TINY_GPU_YAML, ["memory.auto_mem_fraction=true"])
+    plan, _ = plan_for_config(cfg, capacity=int(79 * GiB))
+    args = S.engine_args(cfg, "/model", EngineLayout(1, 1, 1, 1), 0, None, *_engine_memory(cfg, plan))
+    assert args["mem_fraction_static"] == plan.mem_fraction_static == 0.95
+    assert args["max_total_tokens"] == plan.kv_tokens == plan.phases["rollout"]["engine kv cache"] // (576 * 2 * 2)
+    assert "max_total_tokens" not in S.engine_args(cfg, "/model", EngineLayout(1, 1, 1, 1), 0, None,
+                                                   *_engine_memory(cfg, None))
+
+
+def test_a_gpu_run_whose_plan_cannot_fit_stops_before_anything_starts(tmp_path):
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "mcore_rl.train", "--config", TINY_GPU_YAML, "memory.gpu_memory_gb=3",
+                        f"trainer.output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "memory plan refused: phase" in r.stderr and "OVER" in r.stdout
+    assert "actor ranks" not in r.stdout and not (out / "metrics.jsonl").exists()  # no actor, no step

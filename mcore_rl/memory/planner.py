@@ -175,6 +175,13 @@ class Plan:
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
 
+    def resume_needs(self) -> dict[str, int]:
+        """Bytes each engine resume takes, by tag (the Colocation's guard): the weights, then the KV
+        cache with the CUDA graphs where the saver releases them (hook mode "preload")."""
+        rollout, pinned = self.phases["rollout"], "engine cuda graphs" in self.phases["train"]
+        return {"weights": rollout["engine weights"],
+                "kv_cache": rollout["engine kv cache"] + (0 if pinned else rollout["engine cuda graphs"])}
+
     def shortfalls(self) -> dict[str, int]:
         return {ph: self.total(ph) - self.inputs.capacity for ph in PHASES
                 if self.total(ph) > self.inputs.capacity}

@@ -23,8 +23,8 @@ from mcore_rl.sync.plan import EngineLayout, PlanError, single_source
 TRAINER_GPU_SHARE, ENGINE_GPU_SHARE = 0.8, 0.2  # colocated: both on every GPU bundle
 
 
-def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int], pad_id: int = 0):
-    """(rollout, weight sync or None)."""
+def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int], pad_id: int = 0, plan=None):
+    """(rollout, weight sync or None); `plan` (the memory plan, GPUs) sizes the engines' memory."""
     if cfg.rollout.engine == "embedded":
         return EmbeddedRollout(actors, pad_id), None
     server, start = _server(cfg.rollout.engine), STARTERS[cfg.rollout.engine]
@@ -38,7 +38,8 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
         slots = _colocated_slots(placement, where, cfg.cluster.device, actors.pg)
     else:
         slots = own_slots(placement, cfg.cluster.device)
-    engines = start(cfg, model_dir, slots, layout, ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node)
+    engines = start(cfg, model_dir, slots, layout, ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node,
+                    plan)
     try:
         feed = _feeds(placement, slots, where, layout) if placement.colocate else None
         sync = WeightSync(cfg, actors, engines, layout, feed, where, run_dir, model_dir)
@@ -79,27 +80,28 @@ def _group(cfg: C.Config, server_cls, slots: list[EngineSlot], layout: EngineLay
 
 
 def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: EngineLayout,
-                 gpu_share: float) -> EngineGroup:
+                 gpu_share: float, plan=None) -> EngineGroup:
     """SGLang engines on `slots` (multi-node engines meet at a port free on their node 0), each
-    started from `model_dir` (see `sglang.engine_model_dir`)."""
+    started from `model_dir` (see `sglang.engine_model_dir`), sized by the memory `plan` if given."""
     from mcore_rl.rollout import sglang as S
 
-    mem_fraction = _mem_fraction(cfg)
+    mem_fraction, kv_tokens = _engine_memory(cfg, plan)
     addrs = {s.engine: "%s:%d" % rendezvous_on(s.pg, s.bundle) for s in slots
              if s.node_rank == 0 and layout.nnodes > 1}
     return _group(cfg, S.SGLangServer, slots, layout, gpu_share,
-                  lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction),
+                  lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction,
+                                              kv_tokens),
                   "SGLang", S.engine_env(cfg, layout))
 
 
 def start_vllm(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: EngineLayout,
-               gpu_share: float) -> EngineGroup:
+               gpu_share: float, plan=None) -> EngineGroup:
     """vLLM engines on `slots`, one node each, started from `model_dir`."""
     from mcore_rl.rollout import vllm as V
 
     if layout.nnodes > 1:
         raise PlanError(f"a vLLM engine runs on one node; this placement spreads one over {layout.nnodes}")
-    args = V.engine_args(cfg, model_dir, layout, _mem_fraction(cfg))
+    args = V.engine_args(cfg, model_dir, layout, _engine_memory(cfg, plan)[0])
     return _group(cfg, V.VLLMServer, slots, layout, gpu_share, lambda s: args, "vLLM", V.engine_env(cfg, layout))
 
 
@@ -153,14 +155,14 @@ def _feeds(placement, slots, where: list[dict], layout: EngineLayout) -> dict[in
     return feed
 
 
-def _mem_fraction(cfg: C.Config) -> float:
-    """The planner's choice on GPUs (memory.auto_mem_fraction), else the configured fraction."""
-    if cfg.cluster.device == "cpu" or not cfg.memory.auto_mem_fraction:
-        return cfg.rollout.mem_fraction_static
-    from mcore_rl.plan import plan_for_config
-
-    plan, _ = plan_for_config(cfg)
-    return plan.mem_fraction_static
+def _engine_memory(cfg: C.Config, plan) -> tuple[float, int | None]:
+    """(mem_fraction_static, KV tokens or None): the plan's, else the configured fraction. SGLang applies
+    the fraction to the free memory it finds at start-up, which holds what the plan keeps out of it
+    (reserved memory, sync buckets, the trainer's residue): only the plan's token count caps its pool
+    at the planned size (an H100 run with 0.95 and no cap ran out of memory resuming that pool)."""
+    if plan is None:
+        return cfg.rollout.mem_fraction_static, None
+    return plan.mem_fraction_static, plan.kv_tokens
 
 
 __all__ = ["launch", "single_source"]

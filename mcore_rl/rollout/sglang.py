@@ -83,8 +83,9 @@ class EngineLaunch:
 
 
 def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_init_addr: str | None,
-                mem_fraction: float) -> dict:
-    """`sglang.Engine(**...)` for node `node_rank` of an engine with `layout`, from the config."""
+                mem_fraction: float, kv_tokens: int | None = None) -> dict:
+    """`sglang.Engine(**...)` for node `node_rank` of an engine with `layout`, from the config; on GPUs
+    `kv_tokens` (the memory plan's) caps its KV pool."""
     r = cfg.rollout
     args = dict(model_path=model_dir, tp_size=layout.tp_size, ep_size=layout.ep_size, nnodes=layout.nnodes,
                 node_rank=node_rank, dtype=DTYPE_NAMES[cfg.model.dtype], random_seed=cfg.trainer.seed,
@@ -102,6 +103,8 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
             args["sampling_backend"] = "pytorch"
         if r.attention_backend:
             args["attention_backend"] = r.attention_backend
+        if kv_tokens:
+            args["max_total_tokens"] = kv_tokens
     return args
 
 

@@ -3,7 +3,7 @@
 # ../shared/tools/sglang-gpu and scripts/gpu/stage_extra.sh): run one part of the GPU evidence,
 # writing logs and JSON under $OUT.  bash scripts/gpu/session.sh PART [PART ...]
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 2
 export PYTHONPATH=/tmp/sglang-site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export NCCL_CUMEM_ENABLE=0  # cuMem P2P between processes that each see one GPU failed here ('invalid argument')
@@ -11,9 +11,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 quiet() { grep -v "Ignore import\|SyntaxWarning\|warnings.warn\|quant_api\|Configuration class\|UserWarning"; }
 train() {  # name, then overrides
   local name=$1; shift
-  timeout 420 python3 -m mcore_rl.train --config configs/tiny_gpu.yaml trainer.output_dir=/tmp/$name \
+  timeout 420 python3 -m mcore_rl.train --config configs/tiny_gpu.yaml trainer.output_dir="/tmp/$name" \
     trainer.save_freq=-1 "$@" 2>&1 | quiet > "$OUT/$name.log"
-  cp /tmp/$name/metrics.jsonl "$OUT/$name.jsonl" 2>/dev/null
+  cp "/tmp/$name/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
   python3 - "$OUT/$name.jsonl" "$name" <<'PY'
 import json, statistics, sys
 steps = {}
@@ -24,7 +24,9 @@ m = lambda k: round(statistics.median(s[k] for s in tr[1:] if k in s), 4)
 print(sys.argv[2], "steps", len(tr), "reward first3", round(sum(s["reward/mean"] for s in tr[:3]) / 3, 3),
       "last3", round(sum(s["reward/mean"] for s in tr[-3:]) / 3, 3), "first sync", steps[0].get("sync/verified"),
       "logp diff max", round(max(s["rollout/logp_diff_abs_mean"] for s in tr), 5), "median step", m("timing/step"),
-      "rollout", m("timing/rollout"), "sync", m("sync/seconds"), "to_rollout", m("timing/to_rollout"))
+      "rollout", m("timing/rollout"), "sync", m("sync/seconds"), "to_rollout", m("timing/to_rollout"),
+      "NVML GiB max train/rollout", [round(max(s.get(f"memory/gpu_used_gib_{p}", 0) for s in tr), 2)
+                                     for p in ("train", "rollout")])
 PY
 }
 for part in "$@"; do
@@ -32,6 +34,14 @@ for part in "$@"; do
     colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 actor.micro_batch_size=64 trainer.total_training_steps=20 ;;
     separate) train separate cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 trainer.total_training_steps=20 ;;
     single) train single trainer.total_training_steps=30 ;;
+    planned) train planned memory.auto_mem_fraction=true trainer.total_training_steps="${STEPS:-25}" \
+               rollout.log_level="${ENGINE_LOG:-error}" ;;
+    planned_nocap)  # the same without the plan's KV-token cap: what the cap prevents
+      rm -rf /tmp/nocap && cp -r . /tmp/nocap
+      sed -i 's/args\["max_total_tokens"\] = kv_tokens/pass/' /tmp/nocap/mcore_rl/rollout/sglang.py
+      (cd /tmp/nocap && PYTHONPATH=/tmp/sglang-site:/tmp/nocap train planned_nocap memory.auto_mem_fraction=true \
+         trainer.total_training_steps=3 rollout.log_level=info; grep -iE "KV Cache is allocated|max_total_num|refused|out of memory|Error" \
+         "$OUT/planned_nocap.log" | head -20) ;;
     multinode) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --parts colocated \
                  --out "$OUT/multinode_colocated.json" 2>&1 | quiet | tail -30 ;;
     multinode_separate) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --parts separate \
