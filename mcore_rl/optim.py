@@ -74,6 +74,9 @@ def step(ddp, opt) -> tuple[bool, float]:
         finalize_model_grads([ddp])
     with record_function("optim/step"):
         ok, grad_norm, _ = opt.step()
+    # with bf16 grads the step made fp32 copies of this rank's shard of them (4 B an element):
+    # drop them now, not at the next update's zero_grad, so they do not sit through the rollout
+    opt.zero_grad()
     return bool(ok), float(grad_norm or 0.0)
 
 

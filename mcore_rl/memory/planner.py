@@ -20,7 +20,8 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                ACT depends on the packed attention (actor.packed_attention). "varlen" (one flash
                call, the GPU default): ACT = 42, fitted on seven 2 x H200 EP=2 runs of 8 Moonlight
                layers at 14-16 k-token micro-batches (benchmarks/RESULTS.md, issue 15): every
-               recompute and offload choice within 2.1 % of the measured peak. Korthikanti et al.'s
+               recompute and offload choice within 2.3 % of the measured peak; on 1 x H100 at
+               4 layers and 6.3 k tokens (not fitted) within 1.9 %. Korthikanti et al.'s
                34 (bf16, sequence parallel, flash attention) leaves out MLA's wider q/k/v, RoPE'd
                copies, norms in fp32, shared experts, router and dispatch. "sdpa" (an SDPA call per
                sequence; MLA's unequal q/v widths keep it off flash kernels, so each sequence's
@@ -38,9 +39,11 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                exp and their gradients, measured on the autograd chain) or, with
                actor.fused_logprobs, 2 n V (bf16 rows kept, mcore_rl.head) + one chunk of fp32
                temporaries (mcore_rl.head.CHUNK_BYTES).
-               The optimizer step runs after backward has freed the activations; torch's
-               multi-tensor AdamW allocates one fp32 temporary per moment element (4 B each, none
-               with actor.fused_adam or the offloading optimizer): the larger of the two peaks counts.
+               The optimizer step runs after backward has freed the activations; it allocates an
+               fp32 copy of the rank's shard of bf16 grads (memory.grad_fp32=false) and torch's
+               multi-tensor AdamW one fp32 temporary per moment element (none with
+               actor.fused_adam or the offloading optimizer), 4 B an element each: the larger of
+               the two peaks counts.
 Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
   weights    = the rank's tensors in SGLang's layout (`layout.engine_tensors`): vocab-split
                embeddings/lm_head, replicated q_a/kv_a, experts E/ep per rank split over moe_tp,
@@ -238,12 +241,13 @@ def trainer_bytes(hf: HFModel, i: PlanInputs, stage: int) -> dict[str, int]:
 
 
 def step_temporary_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
-    """What the optimizer step allocates on top of the states: multi-tensor AdamW's sqrt(v) copy
-    (the fused kernel, also the hybrid offload optimizer's, allocates none)."""
-    if i.fused_adam or i.optimizer_offload_fraction > 0:
-        return 0
+    """What the optimizer step allocates on top of the states: with bf16 grads, megatron's fp32 copy
+    of the rank's optimizer shard of them (`main_grad.float()`; freed by `optim.step` once the step
+    is done), and multi-tensor AdamW's sqrt(v) copy (the fused kernel, also the hybrid offload
+    optimizer's, allocates none); 4 B per optimizer element each."""
     n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
-    return 4 * _optimizer_elements(hf, i, n)
+    copies = (not i.grad_fp32 and DTYPE_BYTES[i.dtype] != 4) + (not i.fused_adam and i.optimizer_offload_fraction == 0)
+    return 4 * copies * _optimizer_elements(hf, i, n)
 
 
 def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
