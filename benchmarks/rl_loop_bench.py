@@ -93,8 +93,9 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
     from mcore_rl.rollout.launch import start_sglang
     from mcore_rl.rollout.placement import plan_placement
     from mcore_rl.sync.plan import EngineLayout
+    from mcore_rl.train import memory_plan
 
-    placement = plan_placement(cfg)
+    placement, plan = plan_placement(cfg), memory_plan(cfg)  # sized as in the loop (GPU: the plan's KV tokens)
     tp, cpu = cfg.rollout.tp_size, cfg.cluster.device == "cpu"
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              **({"_node_ip_address": "127.0.0.1"} if cpu else {}))
@@ -106,7 +107,7 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
             ray.get(pg.ready())
             slots += [EngineSlot(n.engine, n.node_rank, pg, i, None, owns_pg=True) for i, n in enumerate(nodes)]
         group = start_sglang(cfg, model_dir, slots, EngineLayout(tp, cfg.rollout.ep_size, placement.nnodes,
-                                                                 tp // placement.nnodes), 0 if cpu else tp)
+                                                                 tp // placement.nnodes), 0 if cpu else tp, plan)
         try:
             prompts = [[5 + (i + j) % 11 for j in range(prompt_len)] for i in range(batch)]
             params = SamplingParams(n=1, temperature=cfg.rollout.temperature, max_new_tokens=max_new, seed=1)
