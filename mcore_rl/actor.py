@@ -244,9 +244,11 @@ class MegatronActor:
 
     def offload_states(self) -> int:
         """Params, grads and optimizer states to pinned host memory while a colocated engine runs."""
+        self._writes_done()
         return self._state_offloader().offload() if self.device.type == "cuda" else 0
 
     def onload_states(self) -> None:
+        self._writes_done()
         if self.device.type == "cuda":
             self._state_offloader().onload()
 
@@ -294,6 +296,7 @@ class MegatronActor:
     # ---- updates ---------------------------------------------------------------------------------
     def update(self, batch: dict) -> dict | None:
         """PPO epochs over mini-batches of the policy; returns averaged metrics."""
+        self._writes_done()
         a = self.cfg["actor"]
         keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
                 "rollout_log_probs")
@@ -304,6 +307,7 @@ class MegatronActor:
         return out if self._is_reporter() else None
 
     def update_critic(self, batch: dict) -> dict | None:
+        self._writes_done()
         c = self.cfg["critic"]
         keys = ("tokens", "attention_mask", "response_mask", "values", "returns")
         out = self._epochs(self.critic, self.critic_opt, self._local(batch, keys), self._value_loss,
@@ -406,26 +410,82 @@ class MegatronActor:
             parts.append(("critic", self.critic, self.critic_opt))
         return parts
 
-    def save(self, step_dir: str):
-        """Models (torch_dist, any layout can load them) and this rank's optimizer states (on the
-        device: the loop saves between the update and the trainer's offload)."""
-        from mcore_rl.checkpoint import save_model
+    def save(self, step_dir: str, background: bool = False) -> None:
+        """Models (torch_dist, any layout can load them) and this rank's optimizer states in model
+        space (`mcore_rl.optim_state`: any layout can resume them) into `step_dir`. Offloaded
+        states are written from their pinned host copies: a save stages nothing. background: the
+        writes go on in a thread (the rollout runs meanwhile); `finish_save` completes them, and
+        anything that would change the states first waits for them."""
+        from mcore_rl.checkpoint import ModelSave
+        from mcore_rl.optim_state import save as save_optim
 
+        self.finish_save()
+        read = self._state_offloader().read if self.device.type == "cuda" else None
         os.makedirs(os.path.join(step_dir, "optim"), exist_ok=True)
-        for name, model, opt in self._parts():
-            save_model(model, os.path.join(step_dir, name), side_files_from=None)
-            suffix = "" if name == "model" else f"_{name}"
-            torch.save(optim.state(opt), os.path.join(step_dir, "optim", f"rank{dist.get_rank()}{suffix}.pt"))
-        dist.barrier()
+        saves = [ModelSave(model, os.path.join(step_dir, name), read=read) for name, model, _ in self._parts()]
 
-    def load(self, step_dir: str):
+        def write():
+            for (name, model, opt), ms in zip(self._parts(), saves):
+                ms.write()
+                extra = {"updates": self.updates} if name == "model" else {}
+                save_optim(opt, model, os.path.join(step_dir, "optim", f"{name}.rank{dist.get_rank()}.pt"), extra, read)
+
+        self._pending_save = _Writer(write, saves)
+        if not background:
+            self.finish_save()
+
+    def finish_save(self) -> None:
+        """Wait for a save's writes and complete it (every rank calls this; collective)."""
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        if pending is not None:
+            pending.finish()
+            dist.barrier()
+
+    def _writes_done(self) -> None:
+        """Before the states change (update, onload, offload): a background save has read them."""
+        pending = getattr(self, "_pending_save", None)
+        if pending is not None:
+            pending.join()
+
+    def load(self, step_dir: str) -> None:
         from mcore_rl.checkpoint import load_model
+        from mcore_rl.optim_state import files, load
 
+        self.finish_save()
         for name, model, opt in self._parts():
             load_model(model, os.path.join(step_dir, name))
-            suffix = "" if name == "model" else f"_{name}"
-            path = os.path.join(step_dir, "optim", f"rank{dist.get_rank()}{suffix}.pt")
-            if os.path.exists(path):  # absent when starting from a converted HF model
-                optim.load_state(opt, torch.load(path, weights_only=True))
+            extra = load(opt, model, files(step_dir, name))
+            if name == "model":
+                self.updates = int(extra.get("updates", 0))
+            if self._optim_options()["fused_adam"]:
+                optim.use_fused_adam(opt)  # the loaded steps onto the device
         dist.barrier()
 
+
+class _Writer:
+    """A save's file writes in a thread; `finish` joins it, re-raises its error and runs the
+    collective completions (megatron's metadata) in the calling thread."""
+
+    def __init__(self, write, saves):
+        import threading
+
+        self.saves, self.error = saves, None
+        self.thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self, write):
+        try:
+            write()
+        except BaseException as e:  # noqa: BLE001 - surfaced by join()
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def finish(self) -> None:
+        self.join()
+        for s in self.saves:
+            s.finalize()

@@ -1,7 +1,9 @@
 """Distributed model checkpoints through megatron-core's own dist_checkpointing (torch_dist).
 
 Saves go to `<dir>.tmp` and are renamed by rank 0 after every rank has finished, so a
-directory named like a checkpoint is always complete.
+directory named like a checkpoint is always complete. A save writes the tensors it is given:
+host tensors (CPU runs, or the pinned copies of offloaded states through `read`) are written
+where they lie, with no staging copy.
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 
+import torch
 import torch.distributed as dist
 
 from mcore_rl.models.builder import sharded_state_dict
 
 
-def _unwrap(model):
+def unwrap(model):
     """The GPTModel inside wrappers (megatron's DDP would prefix every key with 'module.')."""
     while hasattr(model, "module"):
         model = model.module
@@ -27,7 +30,7 @@ def load_model(model, ckpt_dir: str, strict: bool = True) -> None:
 
     if not os.path.exists(os.path.join(ckpt_dir, "metadata.json")):
         raise FileNotFoundError(f"{ckpt_dir}: not a torch_dist checkpoint (no metadata.json)")
-    model = _unwrap(model)
+    model = unwrap(model)
     sharded = sharded_state_dict(model)
     state = dist_checkpointing.load(sharded, ckpt_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -36,17 +39,52 @@ def load_model(model, ckpt_dir: str, strict: bool = True) -> None:
         raise KeyError(f"checkpoint/model mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def save_model(model, ckpt_dir: str, side_files_from: str | None = None) -> None:
-    """Save `model` (all ranks call this) as a torch_dist checkpoint at `ckpt_dir`, atomically."""
-    from megatron.core import dist_checkpointing
+def _read_through(sharded: dict, read) -> dict:
+    """Point every sharded tensor (and factory) at read(its data): the host copy of an offloaded one."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
+    for item in nested_values(sharded):
+        if hasattr(item, "data") and torch.is_tensor(item.data):
+            item.data = read(item.data)
+    return sharded
+
+
+class ModelSave:
+    """One model's torch_dist save in three parts: made now (collective: the sharded state dict
+    and megatron's write plan), `write()` the files (any thread, no collectives), `finalize()`
+    (collective: rank 0 writes the metadata). read(t): the tensor to write for the live tensor t."""
+
+    def __init__(self, model, ckpt_dir: str, read=None):
+        from megatron.core import dist_checkpointing
+
+        if dist.get_rank() == 0:
+            os.makedirs(ckpt_dir, exist_ok=True)
+        dist.barrier()
+        sharded = sharded_state_dict(unwrap(model))
+        if read is not None:
+            sharded = _read_through(sharded, read)
+        self.request = dist_checkpointing.save(sharded, ckpt_dir, async_sharded_save=True)
+        self.args = list(self.request.async_fn_args)
+        if self.request.preload_fn:  # host tensors stay where they are; device ones are staged
+            self.args[1] = self.request.preload_fn()
+
+    def write(self) -> None:
+        if self.request.async_fn is not None:
+            self.request.async_fn(*self.args, **self.request.async_fn_kwargs)
+
+    def finalize(self) -> None:
+        for fn in self.request.finalize_fns:
+            fn()
+
+
+def save_model(model, ckpt_dir: str, side_files_from: str | None = None, read=None) -> None:
+    """Save `model` (all ranks call this) as a torch_dist checkpoint at `ckpt_dir`, atomically."""
     tmp = ckpt_dir.rstrip("/") + ".tmp"
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    sharded = sharded_state_dict(_unwrap(model))
-    dist_checkpointing.save(sharded, tmp)
+    save = ModelSave(model, tmp, read)
+    save.write()
+    save.finalize()
     if dist.get_rank() == 0:
         if side_files_from:
             shutil.copytree(side_files_from, os.path.join(tmp, "hf"))

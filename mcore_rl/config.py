@@ -215,7 +215,9 @@ class TrainerConfig:
     save_freq: int = -1  # steps; -1 never
     test_freq: int = -1
     val_before_train: bool = True
-    resume: Literal["auto", "disable"] = "auto"
+    resume: Literal["auto", "disable"] = "auto"  # disable: refused where output_dir already holds a run
+    max_checkpoints: int | None = None  # keep the newest N complete checkpoints; null keeps all
+    async_save: bool = False  # checkpoint files written in the background while the next rollout runs
     logger: list[Logger] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 1
 
@@ -460,8 +462,8 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     for name in ("ppo_mini_batch_size", "ppo_max_token_len_per_gpu"):
         value = getattr(cfg.critic, name)
         need(value is None or value >= 1, f"critic.{name} must be >= 1 or null, got {value}")
-    for name in ("total_training_steps",):
-        value = cfg.trainer.total_training_steps
+    for name in ("total_training_steps", "max_checkpoints"):
+        value = getattr(cfg.trainer, name)
         need(value is None or value >= 1, f"trainer.{name} must be >= 1 or null, got {value}")
     a, r, alg = cfg.actor, cfg.rollout, cfg.algorithm
     for name in ("clip_ratio_low", "clip_ratio_high"):

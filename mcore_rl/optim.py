@@ -87,34 +87,3 @@ def set_lr(opt, lr: float) -> None:
 
 def _subs(opt) -> list:
     return list(getattr(opt, "chained_optimizers", [opt]))
-
-
-def state(opt) -> dict:
-    """This rank's optimizer state: Adam moments and step of its shards, and its fp32 main
-    params of 16-bit model params (fp32 model params are their own main params and travel
-    with the model). Resuming needs the same layout; `load_state` checks the shapes."""
-    return {i: {"inner": sub.optimizer.state_dict(),
-                "main": [[t.detach().clone() for t in group]
-                         for group in getattr(sub, "shard_fp32_from_float16_groups", [])]}
-            for i, sub in enumerate(_subs(opt))}
-
-
-@torch.no_grad()
-def load_state(opt, saved: dict) -> None:
-    subs = _subs(opt)
-    if len(saved) != len(subs):
-        raise ValueError(f"optimizer state holds {len(saved)} optimizers, this layout has {len(subs)}")
-    for i, sub in enumerate(subs):
-        mains = getattr(sub, "shard_fp32_from_float16_groups", [])
-        shapes = [[tuple(t.shape) for t in g] for g in mains]
-        if shapes != [[tuple(t.shape) for t in g] for g in saved[i]["main"]]:
-            raise ValueError("optimizer state was saved at another parallel layout")
-        kernels = [(g.get("fused"), g.get("foreach")) for g in sub.optimizer.param_groups]
-        sub.optimizer.load_state_dict(saved[i]["inner"])
-        for group, (fused, foreach) in zip(sub.optimizer.param_groups, kernels):  # this run's, not the saver's
-            group["fused"], group["foreach"] = fused, foreach
-        for group, got in zip(mains, saved[i]["main"]):
-            for t, v in zip(group, got):
-                t.copy_(v)
-    if any(g.get("fused") for sub in subs for g in getattr(getattr(sub, "optimizer", None), "param_groups", [])):
-        use_fused_adam(opt)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -21,10 +20,9 @@ import time
 import torch
 
 from mcore_rl import config as C
+from mcore_rl import run_checkpoints as run_ckpt
+from mcore_rl.run_checkpoints import Checkpointer
 from mcore_rl.parallel import rendezvous_on
-
-STEP_DIR = re.compile(r"^step_(\d+)$")
-
 
 def prepare_model(cfg: C.Config, run_dir: str) -> str:
     """An HF directory for the policy: the given one, or the embedded tiny config, initialised once."""
@@ -40,14 +38,6 @@ def prepare_model(cfg: C.Config, run_dir: str) -> str:
         model.save_pretrained(hf_dir + ".tmp")
         os.replace(hf_dir + ".tmp", hf_dir)
     return hf_dir
-
-
-def latest_checkpoint(ckpt_root: str) -> tuple[int, str] | None:
-    """The newest complete checkpoint: `step_N` directories are renamed into place only when whole."""
-    steps = [(int(m.group(1)), os.path.join(ckpt_root, d)) for d in os.listdir(ckpt_root)
-             if (m := STEP_DIR.match(d)) and os.path.exists(os.path.join(ckpt_root, d, "trainer_state.json"))] \
-        if os.path.isdir(ckpt_root) else []
-    return max(steps) if steps else None
 
 
 class ActorGroup:
@@ -109,13 +99,15 @@ class Phases:
         self.colo.to_train()
         return _gpu_used("train")
 
-    def to_rollout(self, step: int) -> dict:
-        if self.sync is None:
-            return {}
-        out = self.colo.to_rollout(step=step) if self.colo else self.sync(step)
-        if self.colo:
-            out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
-            out.update(_gpu_used("rollout"))
+    def to_rollout(self, step: int, save=None) -> dict:
+        """The engine gets the GPUs and the new weights; save() (a checkpoint) runs once the
+        trainer's states are offloaded, when colocated, so it writes their host copies."""
+        if self.colo is None:
+            out = save() if save else {}
+            return {**out, **(self.sync(step) if self.sync is not None else {})}
+        out = self.colo.to_rollout(after_offload=save, step=step)
+        out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
+        out.update(_gpu_used("rollout"))
         return out
 
 
@@ -237,6 +229,9 @@ def train(cfg: C.Config) -> dict:
     t = cfg.trainer
     run_dir = os.path.abspath(t.output_dir)
     ckpt_root = os.path.join(run_dir, "checkpoints")
+    if t.resume == "disable" and (run_ckpt.steps(ckpt_root) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
+        raise run_ckpt.CheckpointError(f"{run_dir}: trainer.output_dir already holds a run; resume it "
+                                       "(trainer.resume=auto) or choose a new trainer.output_dir")
     os.makedirs(run_dir, exist_ok=True)
     hf_dir = prepare_model(cfg, run_dir)
     plan = memory_plan(cfg)
@@ -249,17 +244,17 @@ def train(cfg: C.Config) -> dict:
             ray.init(address="local", num_cpus=max(2, cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node),
                      include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
     group = ActorGroup(cfg, hf_dir, init)
+    ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)
     engine = sync = None
     try:
-        start, resumed = 0, latest_checkpoint(ckpt_root) if t.resume == "auto" else None
-        state = {}
+        start, state, resumed = 0, {}, run_ckpt.latest(ckpt_root) if t.resume == "auto" else None
         if resumed:
             start = resumed[0]
-            group.call("load", resumed[1])
-            with open(os.path.join(resumed[1], "trainer_state.json")) as f:
-                state = json.load(f)
-            _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
+            _load(group, resumed[1])
+            state = run_ckpt.read_state(resumed[1])
             print(f"resumed from {resumed[1]} (step {start})", flush=True)
+        ckpt.clear_after(start)
+        _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
         from mcore_rl.ppo import stop_ids
         from mcore_rl.rollout.launch import launch
 
@@ -272,13 +267,23 @@ def train(cfg: C.Config) -> dict:
             first = sync(start)
             print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in first.items()}), flush=True)
         phases = Phases(cfg, group, engine, sync, plan)
-        return _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state, first)
+        return _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start, state, first)
     finally:
         if engine is not None:
             engine.shutdown()
 
 
-def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, hf_dir, start, state,
+def _load(group: ActorGroup, step_dir: str) -> None:
+    """Every rank's models and optimizer states from `step_dir` (saved at any layout)."""
+    try:
+        group.call("load", step_dir)
+    except Exception as e:  # noqa: BLE001 - a Ray error wrapping the rank's: one line naming the checkpoint
+        cause = getattr(e, "cause", None) or e
+        raise run_ckpt.CheckpointError(f"{step_dir}: cannot resume from this checkpoint: "
+                                       f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
+
+
+def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start, state,
           first_sync: dict) -> dict:
     from mcore_rl.metrics import MetricsLogger
     from mcore_rl.ppo import kl_controller
@@ -300,16 +305,22 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, 
                                generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
         k = (step - 1) % per_epoch
         metrics = rl_step(cfg, group, engine, phases, train_task, order[k * B:(k + 1) * B].tolist(), step, kl_ctrl)
+        ckpt.finish()  # a background save of the step before is complete once this step has trained
         logger.log(metrics, step=step)  # before the checkpoint: a resumed run never lacks a saved step
-        if t.save_freq > 0 and step % t.save_freq == 0 or step == total:  # while the trainer holds the GPUs
-            save_checkpoint(group, ckpt_root, step, hf_dir, {"kl_coef": kl_ctrl.value} if kl_ctrl else {})
+        save = None
+        if t.save_freq > 0 and step % t.save_freq == 0 or step == total:
+            saved = {"kl_coef": kl_ctrl.value} if kl_ctrl else {}
+            save = lambda s=step, st=saved: _timed_save(ckpt, s, st)  # noqa: E731
         t0 = time.perf_counter()
-        after = phases.to_rollout(step)  # the engine gets the updated weights for the next step
+        # the engine gets the updated weights for the next step; a save runs once the trainer's
+        # states are offloaded, written from their pinned host copies
+        after = phases.to_rollout(step, save)
         after["timing/to_rollout"] = time.perf_counter() - t0
         if val_task and (t.test_freq > 0 and step % t.test_freq == 0 or step == total):
             after.update(validate(cfg, engine, val_task))
         logger.log(after, step=step)
         metrics.update(after)
+    ckpt.finish()
     logger.close()
     from mcore_rl.plot import plot_run
 
@@ -317,30 +328,29 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt_root, 
     return metrics
 
 
+def _timed_save(ckpt, step: int, state: dict) -> dict:
+    t0 = time.perf_counter()
+    ckpt.begin(step, state)
+    return {"timing/save": time.perf_counter() - t0}
+
+
 def _truncate_metrics(path: str, step: int) -> None:
-    """Drop records of steps after the checkpoint: they are redone, and must not appear twice."""
+    """Drop records of steps after the checkpoint: they are redone, and must not appear twice.
+    A run that starts from step 0 starts its metrics afresh (a killed run's half line goes too)."""
     if not os.path.exists(path):
         return
+
+    def step_of(line: str) -> int | None:
+        try:
+            return json.loads(line).get("step", 0)
+        except ValueError:
+            return None
+
     with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [line for line in f if step > 0 and (s := step_of(line)) is not None and s <= step]
     with open(path + ".tmp", "w") as f:
         f.writelines(keep)
     os.replace(path + ".tmp", path)
-
-
-def save_checkpoint(group: ActorGroup, ckpt_root: str, step: int, hf_dir: str, state: dict | None = None) -> str:
-    """Write into step_N.tmp and rename when every rank is done: a crash leaves no step_N."""
-    final = os.path.join(ckpt_root, f"step_{step}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    group.call("save", tmp)
-    shutil.copytree(hf_dir, os.path.join(tmp, "model", "hf"),
-                    ignore=shutil.ignore_patterns("*.safetensors", "*.json.tmp"))
-    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-        json.dump({"step": step, **(state or {})}, f)
-    os.replace(tmp, final)
-    return final
 
 
 def dry_run(cfg: C.Config) -> list[str]:
@@ -403,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         m = train(cfg)
-    except GpuSelectionError as e:
+    except (GpuSelectionError, run_ckpt.CheckpointError) as e:
         return report(e)
     except PlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:

@@ -89,16 +89,20 @@ class Colocation:
             self._timed("onload_trainer", self.trainer.onload)
         self.phase = "train"
 
-    def to_rollout(self, **sync_kwargs):
-        """Returns what the sync returned (its stats)."""
+    def to_rollout(self, after_offload: Callable[[], dict] | None = None, **sync_kwargs):
+        """Returns what the sync returned (its stats), updated with what `after_offload` (run while
+        the trainer's states are on the host and the engine still released: a checkpoint) returned."""
         if self.phase != "train":
             raise RuntimeError(f"to_rollout() called in phase {self.phase!r}")
         if self.offload_train_states:
             self._timed("offload_trainer", self.trainer.offload)
+        extra = after_offload() if after_offload else {}
         self._check("weights")
         self._timed("resume_weights", self.engine.resume, ["weights"])
         out = self._timed("sync", self.sync, **sync_kwargs)
         self._check("kv_cache")
         self._timed("resume_kv_cache", self.engine.resume, ["kv_cache", "cuda_graph"])
         self.phase = "rollout"
+        if extra:
+            out = {**(out or {}), **extra}
         return out

@@ -65,6 +65,28 @@ class StateOffloader:
             torch.cuda.synchronize()
 
 
+class PinnedBuffer:
+    """`nbytes` of page-locked host memory, exactly: a plain host allocation registered with CUDA.
+
+    torch's pinned allocator (`pin_memory=True`) rounds every block up to a power of two and keeps
+    freed blocks cached for reuse, so buffers re-made at a new size (optimizer states appear after
+    the first step) held about twice the state on the host. `free()` unregisters and lets go at once.
+    """
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+
+    def free(self) -> None:
+        if self.tensor is not None and self.nbytes:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+        self.tensor = None
+
+
 class StorageOffloader:
     """Moves whole storages to pinned host memory and back: the device memory is freed (the storage
     shrinks to 0 bytes) but every tensor and view into it stays the same object, so megatron's
@@ -78,7 +100,7 @@ class StorageOffloader:
     def __init__(self, tensors):
         self.tensors = tensors
         self.storages: list = []
-        self.host: list[torch.Tensor] = []
+        self.host: list[PinnedBuffer] = []
         self.by_storage: dict[int, torch.Tensor] = {}  # StorageImpl address -> its host copy
 
     def _collect(self) -> list:
@@ -90,6 +112,10 @@ class StorageOffloader:
                 out.append(s)
         return out
 
+    def host_bytes(self) -> int:
+        """Pinned host memory held now (kept between cycles, reused while sizes stay)."""
+        return sum(h.nbytes for h in self.host)
+
     @property
     def offloaded(self) -> bool:
         return bool(self.by_storage)
@@ -100,13 +126,17 @@ class StorageOffloader:
             return 0
         self.storages = self._collect()
         sizes = [s.nbytes() for s in self.storages]
-        if sizes != [h.numel() for h in self.host]:
-            self.host = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
+        if sizes != [h.nbytes for h in self.host]:
+            # the old copies are stale (the live states are on the GPU): free them before the new
+            # ones exist, so host memory never holds two sets (optimizer states appear after step 1)
+            for h in self.host:
+                h.free()
+            self.host = [PinnedBuffer(n) for n in sizes]
         for s, host in zip(self.storages, self.host):
-            host.copy_(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s), non_blocking=True)
+            host.tensor.copy_(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s), non_blocking=True)
         torch.cuda.synchronize()
         for s, host in zip(self.storages, self.host):
-            self.by_storage[s._cdata] = host
+            self.by_storage[s._cdata] = host.tensor
             s.resize_(0)
         torch.cuda.empty_cache()  # the engine's processes cannot use our allocator's cached blocks
         return sum(sizes)
@@ -116,8 +146,8 @@ class StorageOffloader:
         if not self.offloaded:
             return
         for s, host in zip(self.storages, self.host):
-            s.resize_(host.numel())
-            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(host, non_blocking=True)
+            s.resize_(host.nbytes)
+            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(host.tensor, non_blocking=True)
         torch.cuda.synchronize()
         self.by_storage.clear()
 

@@ -1,0 +1,153 @@
+"""A run's checkpoints: `checkpoints/step_N/`, each complete or never named so.
+
+A save writes `step_N.tmp/` (the actors: models and optimizer states; the driver: the trainer
+state), then a manifest of every file and its size, then renames the directory. A checkpoint
+counts only if its manifest is there and every file it lists is there at its size, so a
+truncated shard, a deleted rank file or a missing trainer state make it incomplete: it is
+skipped with a warning naming it, and the run resumes from the newest complete one. Leftover
+`.tmp` directories and incomplete ones are moved out of the way, never crashed over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+
+from mcore_rl.cli_errors import BadInput
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+
+
+class CheckpointError(BadInput):
+    """A checkpoint or output directory that cannot be used (one line, naming it)."""
+
+
+def _files(root: str) -> dict[str, int]:
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            out[os.path.relpath(p, root)] = os.path.getsize(p)
+    return out
+
+
+def incomplete(step_dir: str) -> str | None:
+    """Why `step_dir` is not a complete checkpoint, or None if it is."""
+    try:
+        with open(os.path.join(step_dir, MANIFEST)) as f:
+            listed = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no readable manifest (the save did not finish)"
+    for rel, size in listed.items():
+        path = os.path.join(step_dir, rel)
+        if not os.path.isfile(path):
+            return f"{rel} is missing"
+        if os.path.getsize(path) != size:
+            return f"{rel} has {os.path.getsize(path)} bytes, the save wrote {size}"
+    try:
+        with open(os.path.join(step_dir, TRAINER_STATE)) as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return f"{TRAINER_STATE} is missing or unreadable"
+    return None
+
+
+def steps(root: str) -> list[tuple[int, str]]:
+    """Every `step_N` directory under root, oldest first (complete or not)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := STEP_DIR.match(d)))
+
+
+def latest(root: str, warn=lambda msg: print(msg, file=sys.stderr, flush=True)) -> tuple[int, str] | None:
+    """The newest complete checkpoint; each newer incomplete one is named in a warning."""
+    for step, path in reversed(steps(root)):
+        why = incomplete(path)
+        if why is None:
+            return step, path
+        warn(f"warning: skipping incomplete checkpoint {path}: {why}")
+    return None
+
+
+def read_state(step_dir: str) -> dict:
+    with open(os.path.join(step_dir, TRAINER_STATE)) as f:
+        return json.load(f)
+
+
+def _set_aside(path: str) -> None:
+    """Remove a directory in the way (a leftover .tmp, an incomplete or abandoned step), renaming
+    it first so that a crash during the removal leaves nothing named like a checkpoint."""
+    if os.path.lexists(path):
+        trash = path.rstrip("/") + ".trash"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+class Checkpointer:
+    """The driver's side of saving: `begin(step, state)` has the actors write (in the background
+    with `background`), `finish()` completes the newest one: trainer state, manifest, rename,
+    rotation to the newest `keep` complete checkpoints."""
+
+    def __init__(self, root: str, group, hf_dir: str, keep: int | None = None, background: bool = False):
+        self.root, self.group, self.hf_dir, self.keep, self.background = root, group, hf_dir, keep, background
+        self.pending: tuple[int, dict] | None = None
+
+    def tmp(self, step: int) -> str:
+        return os.path.join(self.root, f"step_{step}.tmp")
+
+    def begin(self, step: int, state: dict) -> None:
+        self.finish()
+        os.makedirs(self.root, exist_ok=True)
+        _set_aside(self.tmp(step))
+        os.makedirs(self.tmp(step))
+        self.group.call("save", self.tmp(step), self.background)
+        self.pending = (step, state)
+        if not self.background:
+            self.finish()
+
+    def finish(self) -> str | None:
+        if self.pending is None:
+            return None
+        (step, state), self.pending = self.pending, None
+        tmp, final = self.tmp(step), os.path.join(self.root, f"step_{step}")
+        self.group.call("finish_save")
+        shutil.copytree(self.hf_dir, os.path.join(tmp, "model", "hf"),
+                        ignore=shutil.ignore_patterns("*.safetensors", "*.json.tmp"))
+        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
+            json.dump({"step": step, **state}, f)
+        with open(os.path.join(tmp, MANIFEST + ".tmp"), "w") as f:
+            json.dump({"step": step, "files": _files(tmp)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
+        _set_aside(final)  # an incomplete or abandoned step_N of an earlier attempt
+        os.replace(tmp, final)
+        self.rotate()
+        return final
+
+    def rotate(self) -> None:
+        if self.keep is None:
+            return
+        complete = [path for _, path in steps(self.root) if incomplete(path) is None]
+        for path in complete[:-self.keep]:
+            _set_aside(path)
+
+    def clear_after(self, step: int) -> None:
+        """Before a run goes on from `step`: leftover .tmp directories and every step_N past it
+        (incomplete ones, or an abandoned future) are removed."""
+        if not os.path.isdir(self.root):
+            return
+        for name in os.listdir(self.root):
+            if name.endswith(".trash"):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            elif name.endswith(".tmp"):
+                _set_aside(os.path.join(self.root, name))
+        for s, path in steps(self.root):
+            if s > step:
+                _set_aside(path)
