@@ -144,3 +144,16 @@ def _nvml_works() -> bool:
         return True
     except NvmlUnavailable:
         return False
+
+
+def local_pids(actors) -> list[int]:
+    """Pids of those Ray actors that run on this (the driver's) node: a pid from another node
+    would name an unrelated process here."""
+    import os
+
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    where = ray.get([a.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(), os.getpid()))
+                     for a in actors])
+    return [pid for node, pid in where if node == here]
