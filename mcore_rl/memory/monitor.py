@@ -14,9 +14,11 @@ and keeps, per phase, the largest reading taken while that phase was current:
   reads /proc/PID/smaps_rollup, which walks the page tables, hence opt-in.
 
 Samples taken while no phase is current are dropped. Only pids of this node mean anything: a
-pid number from another node names some other process here.
+pid number from another node names some other process here (`local_pids` keeps this node's Ray
+actors). Watching the driver of a local Ray run would take in all of Ray (its raylet is the
+driver's child, the workers the raylet's), hence actor pids rather than os.getpid().
 
-    mon = PhaseMonitor(pids=[os.getpid(), *actor_pids])
+    mon = PhaseMonitor(local_pids(actor_handles))
     with mon.phase("train"):
         ...
     metrics.update(mon.take())   # {"memory/gpu_peak_gib_train": ..., "memory/host_rss_peak_gib_train": ...}
@@ -56,7 +58,8 @@ class PhaseMonitor:
 
     def enter(self, name: str | None) -> None:
         """Make `name` the current phase (None: none); the thread samples at once, so that a
-        phase shorter than the interval still gets a reading."""
+        phase shorter than the interval still gets a reading (unless it ends before that sample
+        starts: a phase without a reading has no keys)."""
         with self._lock:
             self._phase = name
         self._wake.set()
