@@ -8,8 +8,13 @@ release + trainer onload; old log-probs; update; trainer offload + resume weight
 KV), SGLang's generation tokens/s in the loop and alone, the sync's seconds and GB/s (bytes the
 trainer sent, over the sync's wall time), the update's TFLOP/s per GPU (6 x active parameters +
 causal attention per token, over the update's wall time) and % of the measured 790 TFLOP/s bf16
-peak, and the peak GPU memory (NVML, sampled every 0.2 s, all processes) against the memory plan
-(`mcore_rl.plan`). Prints a table; writes JSON.
+peak, and memory: the per-phase peaks the loop logs each step (`memory/gpu_peak_gib_{train,sync,
+rollout,save}`: NVML, all processes, the max over GPUs; `memory/host_rss_peak_gib_save`: the
+actors' host RSS during the checkpoint), `timing/save` and `checkpoint/state_gib`, per step and as
+the max over steps 2..N, next to the memory plan's per-phase GiB (`mcore_rl.plan`), and the whole
+run's GPU and host-RSS peaks sampled from here. The checkpoint stays in the loop
+(`trainer.save_freq` as configured; the last step always saves). Prints a table ("not measured"
+where the loop logged nothing); writes JSON.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +35,10 @@ from benchmarks.flops import MATMUL_PEAK, attention_flops_per_token  # noqa: E40
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
           "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "timing/resume_kv_cache")
+MEMORY_PHASES = ("train", "sync", "rollout", "save")
+# the loop's memory metrics (mcore_rl.memory.monitor), reported per step
+MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES), "memory/host_rss_peak_gib_save", "timing/save",
+          "checkpoint/state_gib")
 
 
 def active_params(hf) -> float:
@@ -43,44 +51,25 @@ def active_params(hf) -> float:
     return dense + (routed * hf.get("num_experts_per_tok") / hf.num_experts if hf.num_experts else 0)
 
 
-class GpuPeak:
-    """Peak NVML used memory per GPU while running (nothing without GPUs)."""
+def run_loop(config: str, overrides: list[str], out: str) -> tuple[dict[int, dict], dict]:
+    """The loop's metrics by step, and its whole-run peaks (GPU; host RSS of the loop's process tree,
+    which on a local Ray run holds the raylet, actors and engines)."""
+    from mcore_rl.memory.monitor import PhaseMonitor
 
-    def __init__(self):
-        from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus
-
-        self.read, self.peak, self.stop = all_gpus, {}, threading.Event()
-        try:
-            all_gpus()
-        except NvmlUnavailable:
-            self.read = list
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-        self.thread.start()
-
-    def _poll(self):
-        while not self.stop.is_set():
-            for g in self.read():
-                self.peak[g.index] = max(self.peak.get(g.index, 0), g.used)
-            time.sleep(0.2)
-
-    def close(self) -> dict:
-        self.stop.set()
-        self.thread.join()
-        return {i: round(b / 2**30, 2) for i, b in sorted(self.peak.items())}
-
-
-def run_loop(config: str, overrides: list[str], out: str) -> dict[int, dict]:
     cmd = [sys.executable, "-m", "mcore_rl.train", "--config", config, f"trainer.output_dir={out}",
-           "trainer.save_freq=-1", "trainer.test_freq=-1", "trainer.val_before_train=false", *overrides]
-    p = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True)
+           "trainer.test_freq=-1", "trainer.val_before_train=false", *overrides]
+    with PhaseMonitor(interval_s=0.2) as mon, mon.phase("run"):
+        p = subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        mon.watch(p.pid)
+        log = p.communicate()[0]
     if p.returncode:
-        sys.exit("the RL loop failed:\n" + (p.stdout + p.stderr)[-4000:])
+        sys.exit("the RL loop failed:\n" + log[-4000:])
     steps: dict[int, dict] = {}
     with open(os.path.join(out, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
             steps.setdefault(r["step"], {}).update(r)
-    return steps
+    return steps, mon.take()
 
 
 def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int, repeats: int = 3) -> float:
@@ -136,11 +125,9 @@ def main() -> int:
     cfg = C.load_config(a.config, a.overrides)
     hf = HFModel.from_dict(C.hf_model_dims(cfg.model))
     work = tempfile.mkdtemp(prefix="rl_loop_bench_")
-    peak = GpuPeak()
     t0 = time.perf_counter()
-    steps = run_loop(a.config, a.overrides, os.path.join(work, "run"))
+    steps, run_peaks = run_loop(a.config, a.overrides, os.path.join(work, "run"))
     wall = time.perf_counter() - t0
-    peaks = peak.close()
     timed = [s for k, s in sorted(steps.items()) if k >= 2 and "reward/mean" in s]
     med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
     gpus = C.actor_gpus(cfg)
@@ -154,11 +141,13 @@ def main() -> int:
     sync_s, sync_b = med("sync/seconds"), med("sync/bytes")
     alone = engine_alone(cfg, os.path.join(work, "run", "engine_hf"), B, int(round(prompt)),
                          cfg.rollout.max_response_len)
+    # max over steps 2..N of the steps that logged it (the checkpoint only runs on save steps); None: never
+    memory_max = {m: max((s[m] for s in timed if s.get(m) is not None), default=None) for m in MEMORY}
     planned = {}
     if cfg.cluster.device == "gpu":
         try:
             plan, _ = plan_for_config(cfg)
-            planned = {ph: round(plan.total(ph) / 2**30, 2) for ph in ("train", "sync", "rollout")}
+            planned = {ph: round(plan.total(ph) / 2**30, 2) for ph in plan.phases}
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             planned = {"error": str(e)}
     result = dict(config=a.config, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),
@@ -169,7 +158,8 @@ def main() -> int:
                   update_tflops_per_gpu=flops / update_s / gpus / 1e12,
                   update_pct_of_790=100 * flops / update_s / gpus / MATMUL_PEAK,
                   logp_diff_abs_mean=med("rollout/logp_diff_abs_mean"), reward=[s.get("reward/mean") for s in timed],
-                  peak_gpu_gib=peaks, planned_gib=planned, first_sync=steps.get(0, {}))
+                  memory_per_step={k: {m: s.get(m) for m in MEMORY} for k, s in sorted(steps.items()) if k >= 1},
+                  memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}))
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"{'phase':<28}{'median s':>10}")
@@ -179,7 +169,12 @@ def main() -> int:
               "update_tflops_per_gpu", "update_pct_of_790", "logp_diff_abs_mean"):
         v = result[k]
         print(f"{k:<28}{v if v is None else round(v, 4):>10}")
-    print("peak GPU GiB", peaks, "planned", planned)
+    print(f"\n{'memory, max of steps 2..N':<32}{'measured':>14}{'planned GiB':>14}")
+    for m in MEMORY:
+        v, ph = memory_max[m], m.rsplit("_", 1)[-1]
+        plan_v = planned.get(ph, "not planned") if m.startswith("memory/gpu_") else ""
+        print(f"{m:<32}{'not measured' if v is None else round(v, 3):>14}{plan_v:>14}")
+    print("whole run (sampled here):", {k: round(v, 2) for k, v in run_peaks.items()} or "not measured")
     return 0
 
 

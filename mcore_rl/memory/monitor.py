@@ -1,0 +1,162 @@
+"""Peak GPU memory and host memory per phase of the RL loop, sampled in a daemon thread.
+
+A reading taken as a phase starts misses what the phase itself allocates (the update's
+activations, the checkpoint writer's staging buffers), so a thread samples every `interval_s`
+and keeps, per phase, the largest reading taken while that phase was current:
+
+- GPU: NVML used bytes of every GPU of this node (all processes: colocated, the engines and the
+  trainer share the GPUs and the plan budgets for both), the max over GPUs. Without NVML there
+  are no GPU keys: absent means "not measured", never 0.
+- host: the sum of RSS over the watched pids and all their descendants (each process once).
+  RSS counts a page shared by several processes in each of them, so forked checkpoint writers,
+  which share their parent's pages copy-on-write, make it an upper bound. With `pss=True` the
+  sum of PSS is also kept (a shared page split among its sharers, so the sum counts it once); it
+  reads /proc/PID/smaps_rollup, which walks the page tables, hence opt-in.
+
+Samples taken while no phase is current are dropped. Only pids of this node mean anything: a
+pid number from another node names some other process here (`local_pids` keeps this node's Ray
+actors). Watching the driver of a local Ray run would take in all of Ray (its raylet is the
+driver's child, the workers the raylet's), hence actor pids rather than os.getpid().
+
+    mon = PhaseMonitor(local_pids(actor_handles))
+    with mon.phase("train"):
+        ...
+    metrics.update(mon.take())   # {"memory/gpu_peak_gib_train": ..., "memory/host_rss_peak_gib_train": ...}
+    mon.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import psutil
+
+from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus
+
+GiB = 2**30
+
+
+class PhaseMonitor:
+    def __init__(self, pids=(), interval_s: float = 0.05, gpu: bool = True, pss: bool = False):
+        self.interval_s, self.pss = interval_s, pss
+        self.samples = 0  # sampling passes so far, in a phase or not (tests wait on it; shows the thread lives)
+        self.last_error: Exception | None = None  # the thread never raises; the last failure is kept here
+        self._pids: set[int] = set(pids)
+        self._phase: str | None = None
+        self._peaks: dict[str, int] = {}  # metric key -> bytes, since the last take()
+        self._lock = threading.Lock()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._gpu = gpu and _nvml_works()
+        self._thread = threading.Thread(target=self._run, name="PhaseMonitor", daemon=True)
+        self._thread.start()
+
+    def watch(self, *pids: int) -> None:
+        """Also watch these processes (and their children): actors started after the monitor."""
+        with self._lock:
+            self._pids.update(pids)
+
+    def enter(self, name: str | None) -> None:
+        """Make `name` the current phase (None: none); the thread samples at once, so that a
+        phase shorter than the interval still gets a reading (unless it ends before that sample
+        starts: a phase without a reading has no keys)."""
+        with self._lock:
+            self._phase = name
+        self._wake.set()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        prev = self._phase
+        self.enter(name)
+        try:
+            yield self
+        finally:
+            self.enter(prev)
+
+    def take(self) -> dict[str, float]:
+        """GiB peaks of the phases sampled since the last take(), then forgets them."""
+        with self._lock:
+            peaks, self._peaks = self._peaks, {}
+        return {k: v / GiB for k, v in peaks.items()}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sample()
+            except Exception as e:  # noqa: BLE001 - a monitor must not take the run down
+                self.last_error = e
+            self.samples += 1
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+
+    def _sample(self) -> None:
+        with self._lock:
+            phase, pids = self._phase, set(self._pids)
+        if phase is None:
+            return
+        reading = {}  # no host keys when no watched process could be read: absent, not 0
+        for p in _process_tree(pids):
+            try:
+                m = p.memory_full_info() if self.pss else p.memory_info()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between listing and reading
+                continue
+            reading["host_rss"] = reading.get("host_rss", 0) + m.rss
+            if self.pss:
+                reading["host_pss"] = reading.get("host_pss", 0) + m.pss
+        if self._gpu:
+            try:
+                used = [g.used for g in all_gpus()]
+                if used:
+                    reading["gpu"] = max(used)
+            except Exception as e:  # noqa: BLE001 - a failed NVML read must not lose the host reading
+                self.last_error = e
+        with self._lock:
+            for what, b in reading.items():
+                key = f"memory/{what}_peak_gib_{phase}"
+                self._peaks[key] = max(self._peaks.get(key, 0), b)
+
+
+def _process_tree(pids: set[int]) -> list[psutil.Process]:
+    """The processes `pids` and their descendants, each once (trees may overlap: the driver of a
+    local Ray run is an ancestor of its actors)."""
+    seen: dict[int, psutil.Process] = {}
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for p in [root, *root.children(recursive=True)]:
+                seen.setdefault(p.pid, p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return list(seen.values())
+
+
+def _nvml_works() -> bool:
+    try:
+        all_gpus()
+        return True
+    except NvmlUnavailable:
+        return False
+
+
+def local_pids(actors) -> list[int]:
+    """Pids of those Ray actors that run on this (the driver's) node: a pid from another node
+    would name an unrelated process here."""
+    import os
+
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    where = ray.get([a.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(), os.getpid()))
+                     for a in actors])
+    return [pid for node, pid in where if node == here]

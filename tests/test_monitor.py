@@ -1,0 +1,134 @@
+"""PhaseMonitor on real processes: per-phase host RSS peaks (a helper process, and a child of it,
+allocate inside a phase), reset on take(), GPU keys only with NVML, a thread that survives its
+processes exiting."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus
+from mcore_rl.memory.monitor import GiB, PhaseMonitor
+
+MiB = 2**20
+ALLOC = 300 * MiB
+
+# Answers "ok" to each stdin line: "alloc N" holds N written bytes (resident, unlike a calloc'd
+# buffer whose zero pages are never touched), "free" drops them, "child N" starts a child
+# holding N bytes, "reap" ends it.
+HELPER = r"""
+import subprocess, sys
+held, child = None, None
+for line in sys.stdin:
+    cmd, *arg = line.split()
+    if cmd == "alloc":
+        held = b"\x01" * int(arg[0])
+    elif cmd == "free":
+        held = None
+    elif cmd == "child":
+        child = subprocess.Popen([sys.executable, "-c", sys.argv[1], arg[0]],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()
+    elif cmd == "reap":
+        child.stdin.close(); child.wait(); child = None
+    print("ok", flush=True)
+"""
+CHILD = r"""
+import sys
+held = b"\x01" * int(sys.argv[1])
+print("ok", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def helper():
+    p = subprocess.Popen([sys.executable, "-c", HELPER, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+
+    def ask(line):
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "ok"
+
+    yield p, ask
+    p.kill()
+    p.wait()
+
+
+def settle(mon, n=3, timeout=10.0):
+    """Wait until the thread has taken `n` more samples (the state of the moment is in a peak)."""
+    target, end = mon.samples + n, time.monotonic() + timeout
+    while mon.samples < target:
+        assert time.monotonic() < end, f"no samples (last error: {mon.last_error!r})"
+        time.sleep(0.005)
+
+
+def rss(peaks, phase):
+    return peaks[f"memory/host_rss_peak_gib_{phase}"] * GiB
+
+
+def test_save_peak_over_train_and_reset(helper):
+    p, ask = helper
+    with PhaseMonitor([p.pid], interval_s=0.02, pss=True) as mon:
+        with mon.phase("train"):
+            settle(mon)
+        with mon.phase("save"):
+            ask(f"alloc {ALLOC}")
+            settle(mon)
+            ask("free")
+        settle(mon)  # outside any phase: not sampled, nothing attributed
+        peaks = mon.take()
+        assert set(peaks) >= {f"memory/{m}_peak_gib_{ph}" for m in ("host_rss", "host_pss")
+                              for ph in ("train", "save")}
+        assert rss(peaks, "save") - rss(peaks, "train") >= ALLOC
+        assert peaks["memory/host_pss_peak_gib_save"] * GiB - peaks["memory/host_pss_peak_gib_train"] * GiB \
+            >= 0.95 * ALLOC
+        assert mon.take() == {}  # reset, and no phase since
+        with mon.phase("save"):  # the freed buffer does not linger in the next peak
+            settle(mon)
+        again = mon.take()
+        assert set(again) == {"memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save"}
+        assert rss(again, "save") < rss(peaks, "train") + 50 * MiB
+
+
+def test_children_counted(helper):
+    p, ask = helper
+    with PhaseMonitor([p.pid], interval_s=0.02) as mon:
+        with mon.phase("train"):
+            settle(mon)
+        with mon.phase("save"):
+            ask(f"child {ALLOC}")  # the child, not the watched process, allocates
+            settle(mon)
+            ask("reap")
+        peaks = mon.take()
+    assert rss(peaks, "save") - rss(peaks, "train") >= ALLOC
+
+
+def test_gpu_keys_only_with_nvml(helper):
+    p, _ = helper
+    try:
+        nvml = bool(all_gpus())
+    except NvmlUnavailable:
+        nvml = False
+    with PhaseMonitor([p.pid], interval_s=0.02) as mon:
+        with mon.phase("rollout"):
+            settle(mon)
+        peaks = mon.take()
+    assert ("memory/gpu_peak_gib_rollout" in peaks) == nvml
+    assert "memory/host_rss_peak_gib_rollout" in peaks
+
+
+def test_survives_exited_process_and_closes(helper):
+    p, _ = helper
+    mon = PhaseMonitor([p.pid], interval_s=0.02, gpu=False)
+    mon.enter("sync")
+    settle(mon)
+    p.kill()
+    p.wait()
+    mon.take()
+    settle(mon)  # still sampling: the exited process is skipped, no host key is made up for it
+    assert mon.take() == {} and mon._thread.is_alive()
+    mon.close()
+    assert not mon._thread.is_alive()
