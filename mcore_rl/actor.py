@@ -242,6 +242,17 @@ class MegatronActor:
                 yield from (p for g in inner.param_groups for p in g["params"])
                 yield from (v for st in inner.state.values() for v in st.values() if torch.is_tensor(v))
 
+    def state_bytes(self) -> int:
+        """Bytes of this rank's training state, on the device or offloaded (the host copies)."""
+        seen, total = set(), 0
+        host = self._state_offloader().by_storage if self.device.type == "cuda" else {}
+        for t in self._train_state_tensors():
+            s = t.untyped_storage()
+            if s._cdata not in seen:
+                seen.add(s._cdata)
+                total += host[s._cdata].numel() if s._cdata in host else s.nbytes()
+        return total
+
     def offload_states(self) -> int:
         """Params, grads and optimizer states to pinned host memory while a colocated engine runs."""
         self._writes_done()

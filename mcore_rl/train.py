@@ -83,8 +83,14 @@ class Phases:
 
     def __init__(self, cfg: C.Config, group: ActorGroup, engine, sync, plan=None):
         from mcore_rl.memory.colocate import Colocation
+        from mcore_rl.memory.monitor import PhaseMonitor, local_pids
 
         self.sync, self.colo = sync, None
+        # per-phase peaks: this node's GPUs (NVML), host RSS of this node's trainer and engine
+        # actors and their children (checkpoint writers); the embedded engine is the trainer itself
+        engines = engine.actors if isinstance(getattr(engine, "actors", None), list) else []
+        self.mon = PhaseMonitor(local_pids(group.actors + engines))
+        self.mon.enter("rollout")
         if engine.owns_weights and cfg.cluster.colocate:
             trainer = _Trainer(group)
             # with a plan, each resume is checked against the least free memory of the trainer's GPUs
@@ -93,33 +99,23 @@ class Phases:
             self.colo = Colocation(engine, trainer, sync, offload_train_states=cfg.memory.offload_train_states,
                                    **guard)
 
-    def to_train(self) -> dict:
-        if self.colo is None:
-            return {}
-        self.colo.to_train()
-        return _gpu_used("train")
+    def to_train(self) -> None:
+        self.mon.enter("train")  # from the engine's release through the update
+        if self.colo is not None:
+            self.colo.to_train()
 
     def to_rollout(self, step: int, save=None) -> dict:
         """The engine gets the GPUs and the new weights; save() (a checkpoint) runs once the
         trainer's states are offloaded, when colocated, so it writes their host copies."""
+        self.mon.enter("sync")
         if self.colo is None:
             out = save() if save else {}
-            return {**out, **(self.sync(step) if self.sync is not None else {})}
-        out = self.colo.to_rollout(after_offload=save, step=step)
-        out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
-        out.update(_gpu_used("rollout"))
+            out.update(self.sync(step) if self.sync is not None else {})
+        else:
+            out = self.colo.to_rollout(after_offload=save, step=step)
+            out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
+        self.mon.enter("rollout")
         return out
-
-
-def _gpu_used(phase: str) -> dict:
-    """The most any GPU of this node has in use as a phase starts (NVML; nothing without GPUs)."""
-    from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus
-
-    try:
-        used = [g.used for g in all_gpus()]
-    except NvmlUnavailable:
-        return {}
-    return {f"memory/gpu_used_gib_{phase}": max(used) / 2**30} if used else {}
 
 
 class _Trainer:
@@ -152,14 +148,14 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
     times["timing/rollout"] = time.perf_counter() - t0
     score = ppo.scores(source, idx, batch)
     t = time.perf_counter()
-    memory = phases.to_train()
+    phases.to_train()
     times["timing/to_train"] = time.perf_counter() - t
     batch["old_log_probs"] = torch.cat(timed("old_log_prob", "log_probs", batch))
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
     if cfg.critic.enabled:
         batch["values"] = torch.cat(timed("values", "values", batch))
-    metrics = {**memory, **ppo.advantages(cfg, batch, score, idx, kl_ctrl)}
+    metrics = ppo.advantages(cfg, batch, score, idx, kl_ctrl)
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
         metrics.update(_mean(timed("update_critic", "update_critic", batch)))
     metrics.update(_mean(timed("update_actor", "update", batch)))
@@ -245,7 +241,7 @@ def train(cfg: C.Config) -> dict:
                      include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
     group = ActorGroup(cfg, hf_dir, init)
     ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)
-    engine = sync = None
+    engine = sync = phases = None
     try:
         start, state, resumed = 0, {}, run_ckpt.latest(ckpt_root) if t.resume == "auto" else None
         if resumed:
@@ -269,6 +265,8 @@ def train(cfg: C.Config) -> dict:
         phases = Phases(cfg, group, engine, sync, plan)
         return _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start, state, first)
     finally:
+        if phases is not None:
+            phases.mon.close()
         if engine is not None:
             engine.shutdown()
 
@@ -310,7 +308,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         save = None
         if t.save_freq > 0 and step % t.save_freq == 0 or step == total:
             saved = {"kl_coef": kl_ctrl.value} if kl_ctrl else {}
-            save = lambda s=step, st=saved: _timed_save(ckpt, s, st)  # noqa: E731
+            save = lambda s=step, st=saved: _timed_save(ckpt, phases.mon, s, st)  # noqa: E731
         t0 = time.perf_counter()
         # the engine gets the updated weights for the next step; a save runs once the trainer's
         # states are offloaded, written from their pinned host copies
@@ -318,6 +316,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         after["timing/to_rollout"] = time.perf_counter() - t0
         if val_task and (t.test_freq > 0 and step % t.test_freq == 0 or step == total):
             after.update(validate(cfg, engine, val_task))
+        after.update(phases.mon.take())  # this step's peaks: rollout, train, save, sync
         logger.log(after, step=step)
         metrics.update(after)
     ckpt.finish()
@@ -328,10 +327,12 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     return metrics
 
 
-def _timed_save(ckpt, step: int, state: dict) -> dict:
+def _timed_save(ckpt, mon, step: int, state: dict) -> dict:
     t0 = time.perf_counter()
-    ckpt.begin(step, state)
-    return {"timing/save": time.perf_counter() - t0}
+    with mon.phase("save"):
+        ckpt.begin(step, state)
+    # the largest rank's whole training state (params, grad buffers, optimizer states)
+    return {"timing/save": time.perf_counter() - t0, "checkpoint/state_gib": max(ckpt.group.call("state_bytes")) / 2**30}
 
 
 def _truncate_metrics(path: str, step: int) -> None:
