@@ -66,6 +66,9 @@ class ClusterConfig:
     colocate: bool = True  # actor and rollout share all GPUs, taking turns
     rollout_gpus: int = 0  # GPUs given to rollout alone when not colocated
     device: Literal["gpu", "cpu"] = "gpu"  # cpu: gloo processes stand in for GPUs (tests)
+    # RAM of each node, for the host memory plan (mcore_rl.memory.host); null: this machine's
+    # MemTotal where its GPUs are visible (planning on a node), else the host plan is not checked
+    host_memory_gb: float | None = None
 
 
 @dataclass
@@ -120,6 +123,10 @@ class MemoryConfig:
     auto_mem_fraction: bool = True  # pick rollout.mem_fraction_static; false: check the configured one
     sync_bucket_mb: int = 512  # weight-sync bucket (two are resident, outside saver regions)
     cuda_graph_gb: float | None = None  # null: estimate from rollout.cuda_graph_max_bs
+    # host memory of each process besides its states (mcore_rl.memory.host); null: the planner's
+    # estimates, 3 GiB per trainer rank and 4 GiB per engine rank (with its tokenizer/detokenizer)
+    host_trainer_process_gb: float | None = None
+    host_engine_process_gb: float | None = None
 
 
 @dataclass
@@ -484,6 +491,11 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     need(mem.gpu_memory_gb is None or mem.gpu_memory_gb > 0,
          f"memory.gpu_memory_gb must be > 0 or null, got {mem.gpu_memory_gb}")
     need(mem.reserved_gb >= 0, f"memory.reserved_gb must be >= 0, got {mem.reserved_gb}")
+    need(cfg.cluster.host_memory_gb is None or cfg.cluster.host_memory_gb > 0,
+         f"cluster.host_memory_gb must be > 0 or null, got {cfg.cluster.host_memory_gb}")
+    for name in ("host_trainer_process_gb", "host_engine_process_gb"):
+        value = getattr(mem, name)
+        need(value is None or value >= 0, f"memory.{name} must be >= 0 or null, got {value}")
     need(0 < r.mem_fraction_static < 1, f"rollout.mem_fraction_static must be in (0, 1), got "
                                         f"{r.mem_fraction_static}")
     need(0 <= mem.optimizer_offload_fraction <= 1,

@@ -1,8 +1,8 @@
-"""`python -m mcore_rl.plan --config CONFIG.yaml [key=value ...]`: the per-GPU memory plan.
+"""`python -m mcore_rl.plan --config CONFIG.yaml [key=value ...]`: the per-GPU and host memory plan.
 
 Prints the table of every phase (works without a GPU: the capacity then comes from
-memory.gpu_memory_gb). Exit 0 when the plan fits, 1 with the refusal (phase and shortfall)
-when it does not, 2 on a config error.
+memory.gpu_memory_gb), then host memory per node against cluster.host_memory_gb. Exit 0 when the
+plan fits, 1 with the refusal (phase or node and shortfall) when it does not, 2 on a config error.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import sys
 from mcore_rl.cli_errors import BAD_INPUT, report
 from mcore_rl.config import ConfigError, hf_model_dims, load_config
 from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
+from mcore_rl.memory.host import HostInputs
 from mcore_rl.memory.planner import Plan, PlanError, PlanInputs, make_plan
 from mcore_rl.models.config import HFModel
 
 
 def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
-    """The plan of a validated Config; raises PlanError when it cannot fit."""
+    """The plan of a validated Config, host memory included; raises PlanError when it cannot fit."""
     source = "given"
     if capacity is None:
         capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
@@ -28,7 +29,8 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
         where = f" ({cfg.model.hf_path}/config.json does not exist)" if cfg.model.hf_path else ""
         raise ConfigError("model: the planner needs the model's shapes: model.hf_config, or a "
                           f"readable model.hf_path/config.json{where}")
-    return make_plan(HFModel.from_dict(dims), PlanInputs.from_config(cfg, capacity)), source
+    inputs = PlanInputs.from_config(cfg, capacity)
+    return make_plan(HFModel.from_dict(dims), inputs, HostInputs.from_config(cfg)), source
 
 
 def main(argv: list[str] | None = None) -> int:

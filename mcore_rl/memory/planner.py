@@ -65,15 +65,22 @@ Always resident: memory.reserved_gb (CUDA contexts of both processes, NCCL, frag
 
 Phases: train (engine released), sync (engine weights resumed, trainer released), rollout
 (KV cache and CUDA graphs resumed). A phase over capacity raises PlanError(phase, shortfall).
+
+Host memory per node (`mcore_rl.memory.host`, given HostInputs): made with the GPU plan, shown
+after its table, and refused (HostPlanError, a PlanError) once the GPU plan fits.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mcore_rl.memory.layout import engine_tensors, inventory, megatron_rank_numel, stage_layers
 from mcore_rl.models.config import HFModel
+
+if TYPE_CHECKING:  # host.py imports this module
+    from mcore_rl.memory.host import HostInputs, HostPlan
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -174,6 +181,7 @@ class Plan:
     kv_tokens: int
     worst_stage: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    host: HostPlan | None = None  # host memory per node (mcore_rl.memory.host), when planned
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -212,17 +220,20 @@ class Plan:
                      f"{self.kv_tokens:,} tokens ({self.kv_tokens // max(i.seq_len, 1):,} full "
                      f"sequences of {i.seq_len})")
         lines += self.notes
+        if self.host is not None:
+            lines += ["", self.host.table()]
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
         return {"capacity": self.inputs.capacity, "phases": self.phases,
                 "totals": {ph: self.total(ph) for ph in PHASES},
                 "mem_fraction_static": self.mem_fraction_static, "kv_tokens": self.kv_tokens,
-                "worst_stage": self.worst_stage}
+                "worst_stage": self.worst_stage, "host": None if self.host is None else self.host.as_dict()}
 
 
 # ----------------------------------------------------------------------------- components
-def _optimizer_elements(hf: HFModel, i: PlanInputs, n: dict) -> int:
+def optimizer_elements(hf: HFModel, i: PlanInputs, n: dict) -> int:
+    """fp32 main-param (and Adam moment) elements of a rank holding `n` (megatron_rank_numel)."""
     if not i.distributed_optimizer:
         return n["dense"] + n["expert"]
     dp, edp = i.world // (i.tp * i.pp), i.world // (i.pp * i.ep * i.etp)
@@ -232,12 +243,18 @@ def _optimizer_elements(hf: HFModel, i: PlanInputs, n: dict) -> int:
 def trainer_bytes(hf: HFModel, i: PlanInputs, stage: int) -> dict[str, int]:
     b = DTYPE_BYTES[i.dtype]
     n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
-    elements = _optimizer_elements(hf, i, n)
-    moments = round(8 * elements * (1 - i.optimizer_offload_fraction))
+    elements = optimizer_elements(hf, i, n)
+    moments = moment_bytes(elements, i.optimizer_offload_fraction)[0]
     return {"megatron weights": (n["dense"] + n["expert"]) * b + n["buffer"] * 4,
             "megatron grads": (n["dense"] + n["expert"]) * (4 if i.grad_fp32 else b),
             "megatron optimizer": (4 if b != 4 else 0) * elements + moments,
             "megatron activations": max(activation_bytes(hf, i, stage), step_temporary_bytes(hf, i, stage))}
+
+
+def moment_bytes(elements: int, offload_fraction: float) -> tuple[int, int]:
+    """(GPU, host) bytes of Adam's two fp32 moments of `elements`, the offloaded share on the host."""
+    gpu = round(8 * elements * (1 - offload_fraction))
+    return gpu, 8 * elements - gpu
 
 
 def step_temporary_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
@@ -247,7 +264,7 @@ def step_temporary_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
     optimizer's, allocates none); 4 B per optimizer element each."""
     n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
     copies = (not i.grad_fp32 and DTYPE_BYTES[i.dtype] != 4) + (not i.fused_adam and i.optimizer_offload_fraction == 0)
-    return 4 * copies * _optimizer_elements(hf, i, n)
+    return 4 * copies * optimizer_elements(hf, i, n)
 
 
 def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
@@ -322,8 +339,10 @@ def engine_activation_bytes(hf: HFModel, i: PlanInputs) -> int:
 
 
 # ----------------------------------------------------------------------------- the plan
-def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
-    """The per-phase plan; raises PlanError naming the phase with the largest shortfall."""
+def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Plan:
+    """The per-phase plan; raises PlanError naming the phase with the largest shortfall. With
+    `host`, the plan carries host memory per node too, and a node over its RAM raises HostPlanError
+    (after the GPU checks, so a GPU refusal is never hidden behind it)."""
     stages = [trainer_bytes(hf, i, s) for s in range(i.pp)]
     states = ("megatron weights", "megatron grads", "megatron optimizer")
     worst_train = max(range(i.pp), key=lambda s: sum(stages[s].values()))
@@ -349,10 +368,11 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
                     "engine cuda graphs": graphs, "engine activations": act_engine},
     }
     plan = Plan(i, phases, f, kv // per_token, {"train": worst_train, "other": worst_rest})
-    plan.notes.append(f"engine weights per rank {w_engine / GiB:.2f} GiB; KV {per_token:,} B/token; "
-                      f"host memory for offloaded trainer states "
-                      f"{sum(rest[k] for k in states) / GiB:.2f} GiB per GPU"
-                      + ("" if i.offload_train_states else " (offload off: they stay on the GPU)"))
+    plan.notes.append(f"engine weights per rank {w_engine / GiB:.2f} GiB; KV {per_token:,} B/token")
+    if host is not None:  # before the GPU checks: a refused plan's tables show both
+        from mcore_rl.memory.host import make_host_plan
+
+        plan.host = make_host_plan(hf, i, host)
     short = plan.shortfalls()
     if short:
         phase = max(short, key=short.get)
@@ -362,6 +382,8 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
         raise PlanError("rollout", need_kv - kv, plan,
                         f"the KV cache at mem_fraction_static={f:.2f} holds {kv // per_token} tokens, "
                         f"less than one sequence of {i.seq_len}")
+    if plan.host is not None:
+        plan.host.check(plan)
     return plan
 
 
