@@ -99,6 +99,11 @@ class MegatronActor:
             self._build_critic(cfg, tcfg, init.get("critic"))
         self.model, self.opt = optim.wrap(self.model, tcfg, a, **self._optim_options())
         self.updates = 0
+        from mcore_rl.optim_state import regions
+
+        # where each param's elements sit in the checkpoint's tensors; made now, while the params are
+        # on the device (a save may run while they are offloaded)
+        self._regions = {name: regions(model) for name, model, _ in self._parts()}
 
     def _optim_options(self) -> dict:
         """optim.wrap's switches from the actor and memory sections; null ones follow the device."""
@@ -439,7 +444,8 @@ class MegatronActor:
             for (name, model, opt), ms in zip(self._parts(), saves):
                 ms.write()
                 extra = {"updates": self.updates} if name == "model" else {}
-                save_optim(opt, model, os.path.join(step_dir, "optim", f"{name}.rank{dist.get_rank()}.pt"), extra, read)
+                save_optim(opt, model, os.path.join(step_dir, "optim", f"{name}.rank{dist.get_rank()}.pt"), extra, read,
+                           self._regions[name])
 
         self._pending_save = _Writer(write, saves)
         if not background:
@@ -465,7 +471,7 @@ class MegatronActor:
         self.finish_save()
         for name, model, opt in self._parts():
             load_model(model, os.path.join(step_dir, name))
-            extra = load(opt, model, files(step_dir, name))
+            extra = load(opt, model, files(step_dir, name), self._regions[name])
             if name == "model":
                 self.updates = int(extra.get("updates", 0))
             if self._optim_options()["fused_adam"]:

@@ -117,11 +117,12 @@ def _writes(opt) -> bool:
     return any(hasattr(s, "gbuf_ranges") for s in _subs(opt)) or ps.get_data_parallel_rank() == 0
 
 
-def save(opt, model, path: str, extra: dict, read=None) -> None:
+def save(opt, model, path: str, extra: dict, read=None, where: dict | None = None) -> None:
     """This rank's pieces to `path` (torch.save, written via `path.tmp`). read(t) maps a live
-    tensor to the tensor to write (the host copy of an offloaded state); identity if None."""
+    tensor to the tensor to write (the host copy of an offloaded state); identity if None.
+    where: `regions(model)`, made while the params are on the device (they depend on the layout only)."""
     read = read or (lambda t: t)
-    where = regions(model)
+    where = where or regions(model)
     pieces, step = [], None
     if _writes(opt):
         for p, s, e, main, inner in _owned(opt):
@@ -193,7 +194,7 @@ class _Index:
 
 
 @torch.no_grad()
-def load(opt, model, files: list[str]) -> dict:
+def load(opt, model, files: list[str], where: dict | None = None) -> dict:
     """Restore this rank's main params, Adam moments and step from the pieces in `files` (every
     rank's file of one optimizer, saved at any layout); returns the saver's extras (rank 0's)."""
     if not files:
@@ -202,7 +203,7 @@ def load(opt, model, files: list[str]) -> dict:
     if len(index.steps) > 1:
         raise OptimStateError(f"optimizer state files of different steps {sorted(index.steps)}: {files[0]}...")
     step = next(iter(index.steps), None)
-    where = regions(model)
+    where = where or regions(model)
     for p, s, e, main, inner in _owned(opt):
         state = inner.state[main]
         if step is not None and not all(k in state for k in STATES):

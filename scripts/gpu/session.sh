@@ -29,6 +29,7 @@ print(sys.argv[2], "steps", len(tr), "reward first3", round(sum(s["reward/mean"]
                                      for p in ("train", "rollout")])
 PY
 }
+read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
 for part in "$@"; do
   case $part in
     colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 actor.micro_batch_size=64 trainer.total_training_steps=20 ;;
@@ -51,6 +52,22 @@ for part in "$@"; do
     actor_memory) timeout 580 python3 benchmarks/actor_bench.py --gpus 2 --layers 8 --budget 16384 --steps 1 \
              --runs recompute_full,recompute_half,recompute_moe,offload,grad_bf16 --out "$OUT/actor_memory_h200x2.json" \
              2>&1 | quiet | tail -20 ;;
+    pinned_fork)  # may a forked checkpoint writer read the pinned offload buffers? (CUDA may mark them don't-fork)
+      python3 - <<'PY'
+import os, torch
+from mcore_rl.memory.offload import PinnedBuffer
+b = PinnedBuffer(1 << 28); b.tensor.fill_(7)
+t = torch.empty(1 << 28, dtype=torch.uint8, pin_memory=True); t.fill_(7)
+for name, x in (("PinnedBuffer", b.tensor), ("pin_memory", t)):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if int(x[12345]) == 7 else 3)
+    print(name, "read in a forked child: exit status", os.waitpid(pid, 0)[1], flush=True)
+PY
+      ;;
+    loop1gpu) timeout 590 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_${LAYERS:-4}L.json" \
+                cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers="${LAYERS:-4}" \
+                trainer.total_training_steps="${STEPS:-3}" "${EXTRA[@]}" 2>&1 | quiet | tail -60 ;;
     loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
