@@ -37,8 +37,9 @@ PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/up
           "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "timing/resume_kv_cache")
 MEMORY_PHASES = ("train", "sync", "rollout", "save")
 # the loop's memory metrics (mcore_rl.memory.monitor), reported per step
-MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES), "memory/host_rss_peak_gib_save", "timing/save",
-          "checkpoint/state_gib")
+MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES), "memory/trainer_max_allocated_gib",
+          "memory/trainer_max_reserved_gib", "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
+          *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout")), "timing/save", "checkpoint/state_gib")
 
 
 def active_params(hf) -> float:

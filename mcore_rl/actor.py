@@ -266,6 +266,7 @@ class MegatronActor:
     def onload_states(self) -> None:
         self._writes_done()
         if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
             self._state_offloader().onload()
 
     def gpu_free_bytes(self) -> int:
@@ -320,6 +321,9 @@ class MegatronActor:
                            self._sizes("actor"), warmup=a["lr_warmup_steps"], base_lr=a["lr"])
         if self.ref is not None and a["use_kl_loss"]:
             out["actor/kl_coef"] = a["kl_loss_coef"]
+        if self.device.type == "cuda":  # this process's allocator since the onload (old log-probs included)
+            out["memory/trainer_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            out["memory/trainer_max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         return out if self._is_reporter() else None
 
     def update_critic(self, batch: dict) -> dict | None:

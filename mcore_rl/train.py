@@ -89,7 +89,8 @@ class Phases:
         # per-phase peaks: this node's GPUs (NVML), host RSS of this node's trainer and engine
         # actors and their children (checkpoint writers); the embedded engine is the trainer itself
         engines = engine.actors if isinstance(getattr(engine, "actors", None), list) else []
-        self.mon = PhaseMonitor(local_pids(group.actors + engines))
+        # PSS too: forked checkpoint writers share their parent's pages, which RSS counts twice
+        self.mon = PhaseMonitor(local_pids(group.actors + engines), pss=True)
         self.mon.enter("rollout")
         if engine.owns_weights and cfg.cluster.colocate:
             trainer = _Trainer(group)
@@ -107,12 +108,16 @@ class Phases:
     def to_rollout(self, step: int, save=None) -> dict:
         """The engine gets the GPUs and the new weights; save() (a checkpoint) runs once the
         trainer's states are offloaded, when colocated, so it writes their host copies."""
-        self.mon.enter("sync")
-        if self.colo is None:
+        def after_offload() -> dict:  # the offload counts to the train phase, the save to its own
             out = save() if save else {}
+            self.mon.enter("sync")
+            return out
+
+        if self.colo is None:
+            out = after_offload()
             out.update(self.sync(step) if self.sync is not None else {})
         else:
-            out = self.colo.to_rollout(after_offload=save, step=step)
+            out = self.colo.to_rollout(after_offload=after_offload, step=step)
             out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
         self.mon.enter("rollout")
         return out

@@ -30,6 +30,11 @@ print(sys.argv[2], "steps", len(tr), "reward first3", round(sum(s["reward/mean"]
 PY
 }
 read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
+# per-process memory while the parts run: host RSS (top 12) and each process's GPU memory
+(while sleep 1; do date +%T; ps -eo pid,rss,comm --sort=-rss | head -12
+   nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; done > "$OUT/proc_mem.log" 2>&1) &
+SAMPLER=$!
+trap 'kill $SAMPLER 2>/dev/null' EXIT
 for part in "$@"; do
   case $part in
     colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 actor.micro_batch_size=64 trainer.total_training_steps=20 ;;
