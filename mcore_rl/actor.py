@@ -12,6 +12,7 @@ stage, whose TP rank 0 reports them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -99,6 +100,7 @@ class MegatronActor:
             self._build_critic(cfg, tcfg, init.get("critic"))
         self.model, self.opt = optim.wrap(self.model, tcfg, a, **self._optim_options())
         self.updates = 0
+        self._peaks: dict[str, float] = {}  # allocator peaks per pass of the train phase (GPU)
         from mcore_rl.optim_state import regions
 
         # where each param's elements sit in the checkpoint's tensors; made now, while the params are
@@ -266,8 +268,10 @@ class MegatronActor:
     def onload_states(self) -> None:
         self._writes_done()
         if self.device.type == "cuda":
+            self._peaks = {}
             torch.cuda.reset_peak_memory_stats()
             self._state_offloader().onload()
+            self._allocator_peak("onload")
 
     def gpu_free_bytes(self) -> int:
         """Free memory of this rank's GPU, every process's use counted (the colocated resume guard)."""
@@ -295,8 +299,17 @@ class MegatronActor:
                 out[rows] = got.cpu()
         return out if self._is_reporter() else None
 
+    def _allocator_peak(self, name: str) -> None:
+        """Record this process's allocator peaks since the last record (GPU), then reset them."""
+        if self.device.type == "cuda":
+            self._peaks[f"memory/trainer_max_allocated_gib_{name}"] = torch.cuda.max_memory_allocated() / 2**30
+            self._peaks[f"memory/trainer_max_reserved_gib_{name}"] = torch.cuda.max_memory_reserved() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+
     def log_probs(self, batch: dict):
-        return self._per_response_token(self.model, batch, values=False)
+        out = self._per_response_token(self.model, batch, values=False)
+        self._allocator_peak("old_log_prob")
+        return out
 
     def ref_log_probs(self, batch: dict):
         if self.ref_offload is None:
@@ -321,9 +334,8 @@ class MegatronActor:
                            self._sizes("actor"), warmup=a["lr_warmup_steps"], base_lr=a["lr"])
         if self.ref is not None and a["use_kl_loss"]:
             out["actor/kl_coef"] = a["kl_loss_coef"]
-        if self.device.type == "cuda":  # this process's allocator since the onload (old log-probs included)
-            out["memory/trainer_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            out["memory/trainer_max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        self._allocator_peak("update")
+        out.update(self._peaks)  # onload, old log-probs and update: where the train phase's peak comes from
         return out if self._is_reporter() else None
 
     def update_critic(self, batch: dict) -> dict | None:
@@ -445,11 +457,12 @@ class MegatronActor:
         saves = [ModelSave(model, os.path.join(step_dir, name), read=read) for name, model, _ in self._parts()]
 
         def write():
-            for (name, model, opt), ms in zip(self._parts(), saves):
-                ms.write()
-                extra = {"updates": self.updates} if name == "model" else {}
-                save_optim(opt, model, os.path.join(step_dir, "optim", f"{name}.rank{dist.get_rank()}.pt"), extra, read,
-                           self._regions[name])
+            with _no_crc32():  # the manifest's sizes catch a truncated file; CRC32 took most of a save's time
+                for (name, model, opt), ms in zip(self._parts(), saves):
+                    ms.write()
+                    extra = {"updates": self.updates} if name == "model" else {}
+                    save_optim(opt, model, os.path.join(step_dir, "optim", f"{name}.rank{dist.get_rank()}.pt"), extra, read,
+                               self._regions[name])
 
         self._pending_save = _Writer(write, saves)
         if not background:
@@ -481,6 +494,22 @@ class MegatronActor:
             if self._optim_options()["fused_adam"]:
                 optim.use_fused_adam(opt)  # the loaded steps onto the device
         dist.barrier()
+
+
+@contextlib.contextmanager
+def _no_crc32():
+    """torch.save without its per-record CRC32 (torch >= 2.6; a no-op before): 4x faster writes.
+    Process-wide while it lasts, so megatron's forked writers inherit it."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover - older torch
+        yield
+        return
+    old, config.save.compute_crc32 = config.save.compute_crc32, False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = old
 
 
 class _Writer:

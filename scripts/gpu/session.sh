@@ -73,6 +73,16 @@ PY
     loop1gpu) timeout 590 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_${LAYERS:-4}L.json" \
                 cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers="${LAYERS:-4}" \
                 trainer.total_training_steps="${STEPS:-3}" "${EXTRA[@]}" 2>&1 | quiet | tail -60 ;;
+    driver_cuda)  # does the driver's memory plan start a CUDA context (it holds GPU memory all run)?
+      python3 -c "import torch; from mcore_rl import config as C; from mcore_rl.plan import plan_for_config
+cfg = C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1', 'rollout.tp_size=1'])
+plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initialized())" 2>&1 | tail -1 ;;
+    run50)  # Moonlight widths, 4 layers, one GPU: steps up to STEPS in /tmp/run50 (resumes what is there)
+      timeout 590 python3 -m mcore_rl.train --config configs/moonlight_2gpu.yaml trainer.output_dir=/tmp/run50 \
+        cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 trainer.total_training_steps="${STEPS:-25}" \
+        trainer.save_freq=10 trainer.test_freq=-1 trainer.val_before_train=false "${EXTRA[@]}" 2>&1 | quiet \
+        | grep -v "^step .* | timing/" | cut -c1-400 | tail -25
+      cp /tmp/run50/metrics.jsonl "$OUT/run50_metrics.jsonl"; ls /tmp/run50/checkpoints ;;
     loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
