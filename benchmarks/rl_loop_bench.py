@@ -37,7 +37,8 @@ PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/up
           "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "timing/resume_kv_cache")
 MEMORY_PHASES = ("train", "sync", "rollout", "save")
 # the loop's memory metrics (mcore_rl.memory.monitor), reported per step
-MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES), *(f"memory/trainer_max_{k}_gib_{p}" for p in ("onload", "old_log_prob", "update")
+MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),
+          *(f"memory/trainer_max_{k}_gib_{p}" for p in ("onload", "old_log_prob", "update")
             for k in ("allocated", "reserved")), "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
           *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout")), "timing/save", "checkpoint/state_gib")
 

@@ -461,8 +461,8 @@ class MegatronActor:
                 for (name, model, opt), ms in zip(self._parts(), saves):
                     ms.write()
                     extra = {"updates": self.updates} if name == "model" else {}
-                    save_optim(opt, model, os.path.join(step_dir, "optim", f"{name}.rank{dist.get_rank()}.pt"), extra, read,
-                               self._regions[name])
+                    path = os.path.join(step_dir, "optim", f"{name}.rank{dist.get_rank()}.pt")
+                    save_optim(opt, model, path, extra, read, self._regions[name])
 
         self._pending_save = _Writer(write, saves)
         if not background:

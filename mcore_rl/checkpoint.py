@@ -8,6 +8,7 @@ where they lie, with no staging copy.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 
@@ -39,13 +40,34 @@ def load_model(model, ckpt_dir: str, strict: bool = True) -> None:
         raise KeyError(f"checkpoint/model mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def _read_through(sharded: dict, read) -> dict:
-    """Point every sharded tensor (and factory) at read(its data): the host copy of an offloaded one."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
+def _exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """t itself, or for a host tensor that views part of a larger storage (a param inside DDP's
+    buffer, an offloaded state inside its host copy) the same memory under a storage of exactly its
+    bytes: megatron's writer clones such views (so torch.save writes only their part), which would
+    stage a copy of the whole model."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not nbytes or t.untyped_storage().nbytes() == nbytes:
+        return t
+    if not t.is_contiguous():
+        return t
+    memory = (ctypes.c_byte * nbytes).from_address(t.data_ptr())
+    return torch.frombuffer(memory, dtype=t.dtype).view(t.shape)
 
+
+def _read_through(sharded: dict, read) -> dict:
+    """What to write for every sharded tensor: read(its data) (the host copy of an offloaded one),
+    factories built (gate/up halves), each under a storage of exactly its bytes."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    if read is not None:
+        for item in nested_values(sharded):
+            if hasattr(item, "data") and torch.is_tensor(item.data):
+                item.data = read(item.data)
+    apply_factories(sharded)  # the halves are views too: they must not be cloned either
     for item in nested_values(sharded):
         if hasattr(item, "data") and torch.is_tensor(item.data):
-            item.data = read(item.data)
+            item.data = _exact_storage(item.data)
     return sharded
 
 
@@ -60,9 +82,8 @@ class ModelSave:
         if dist.get_rank() == 0:
             os.makedirs(ckpt_dir, exist_ok=True)
         dist.barrier()
-        sharded = sharded_state_dict(unwrap(model))
-        if read is not None:
-            sharded = _read_through(sharded, read)
+        # the live tensors (which it references) outlive the save: the caller keeps the model
+        sharded = _read_through(sharded_state_dict(unwrap(model)), read)
         self.request = dist_checkpointing.save(sharded, ckpt_dir, async_sharded_save=True)
         self.args = list(self.request.async_fn_args)
         if self.request.preload_fn:  # host tensors stay where they are; device ones are staged

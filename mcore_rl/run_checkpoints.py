@@ -104,6 +104,7 @@ class Checkpointer:
     def begin(self, step: int, state: dict) -> None:
         self.finish()
         os.makedirs(self.root, exist_ok=True)
+        self.check_space()
         _set_aside(self.tmp(step))
         os.makedirs(self.tmp(step))
         self.group.call("save", self.tmp(step), self.background)
@@ -121,8 +122,9 @@ class Checkpointer:
                         ignore=shutil.ignore_patterns("*.safetensors", "*.json.tmp"))
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
             json.dump({"step": step, **state}, f)
+        listed = _files(tmp)  # before the manifest exists: it does not list itself
         with open(os.path.join(tmp, MANIFEST + ".tmp"), "w") as f:
-            json.dump({"step": step, "files": _files(tmp)}, f)
+            json.dump({"step": step, "files": listed}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
@@ -130,6 +132,20 @@ class Checkpointer:
         os.replace(tmp, final)
         self.rotate()
         return final
+
+    def check_space(self) -> None:
+        """Refuse a save the disk cannot hold, judged by the newest complete checkpoint's size (a
+        full disk otherwise fails deep in a writer, with the save half done)."""
+        last = latest(self.root, warn=lambda _: None)
+        if last is None:
+            return
+        with open(os.path.join(last[1], MANIFEST)) as f:
+            need = sum(json.load(f)["files"].values())
+        free = shutil.disk_usage(self.root).free
+        if free < need:
+            raise CheckpointError(f"{self.root}: a checkpoint needs about {need / 2**30:.1f} GiB and "
+                                  f"{free / 2**30:.1f} GiB are free; free space, lower trainer.max_checkpoints "
+                                  "or move trainer.output_dir")
 
     def rotate(self) -> None:
         if self.keep is None:

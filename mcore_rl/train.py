@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -282,8 +281,9 @@ def _load(group: ActorGroup, step_dir: str) -> None:
         group.call("load", step_dir)
     except Exception as e:  # noqa: BLE001 - a Ray error wrapping the rank's: one line naming the checkpoint
         cause = getattr(e, "cause", None) or e
+        first = str(cause).splitlines()[0] if str(cause) else ""
         raise run_ckpt.CheckpointError(f"{step_dir}: cannot resume from this checkpoint: "
-                                       f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
+                                       f"{type(cause).__name__}: {first}") from None
 
 
 def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start, state,
@@ -337,7 +337,8 @@ def _timed_save(ckpt, mon, step: int, state: dict) -> dict:
     with mon.phase("save"):
         ckpt.begin(step, state)
     # the largest rank's whole training state (params, grad buffers, optimizer states)
-    return {"timing/save": time.perf_counter() - t0, "checkpoint/state_gib": max(ckpt.group.call("state_bytes")) / 2**30}
+    state = max(ckpt.group.call("state_bytes"))
+    return {"timing/save": time.perf_counter() - t0, "checkpoint/state_gib": state / 2**30}
 
 
 def _truncate_metrics(path: str, step: int) -> None:
