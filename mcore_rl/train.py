@@ -88,8 +88,10 @@ class Phases:
         # per-phase peaks: this node's GPUs (NVML), host RSS of this node's trainer and engine
         # actors and their children (checkpoint writers); the embedded engine is the trainer itself
         engines = engine.actors if isinstance(getattr(engine, "actors", None), list) else []
-        # PSS too: forked checkpoint writers share their parent's pages, which RSS counts twice
-        self.mon = PhaseMonitor(local_pids(group.actors + engines), pss=True)
+        # on GPUs, every 50 ms and PSS too (forked checkpoint writers share their parent's pages,
+        # which RSS counts twice); CPU runs, whose 2 cores the engines need, are sampled lightly
+        gpu = cfg.cluster.device == "gpu"
+        self.mon = PhaseMonitor(local_pids(group.actors + engines), interval_s=0.05 if gpu else 0.5, pss=gpu)
         self.mon.enter("rollout")
         if engine.owns_weights and cfg.cluster.colocate:
             trainer = _Trainer(group)
@@ -337,8 +339,8 @@ def _timed_save(ckpt, mon, step: int, state: dict) -> dict:
     with mon.phase("save"):
         ckpt.begin(step, state)
     # the largest rank's whole training state (params, grad buffers, optimizer states)
-    state = max(ckpt.group.call("state_bytes"))
-    return {"timing/save": time.perf_counter() - t0, "checkpoint/state_gib": state / 2**30}
+    nbytes = max(ckpt.group.call("state_bytes"))
+    return {"timing/save": time.perf_counter() - t0, "checkpoint/state_gib": nbytes / 2**30}
 
 
 def _truncate_metrics(path: str, step: int) -> None:

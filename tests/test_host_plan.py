@@ -38,7 +38,7 @@ def by_hand(cfg, stage: int) -> dict[str, int]:
     host_moments = 4 * el
     states = weights + 4 * (n["dense"] + n["expert"]) + 4 * el + 8 * el - host_moments  # bf16 w, fp32 g, main, moments
     return {H.STATES: states, H.OPT: 2 * host_moments, H.REF: weights,
-            H.CKPT: max(2 * GiB, math.ceil(0.05 * (states + host_moments))), H.TRAINER: 3 * GiB}
+            H.CKPT: max(2 * GiB, math.ceil(0.05 * (states + host_moments))), H.TRAINER: int(H.TRAINER_PROCESS_GB * GiB)}
 
 
 def test_items_per_node_equal_the_hand_count_at_pp2():
@@ -48,7 +48,7 @@ def test_items_per_node_equal_the_hand_count_at_pp2():
     # megatron's rank order puts PP outermost: ranks 0-7 (node 0) are stage 0, ranks 8-15 (node 1) stage 1
     for node in (0, 1):
         want = {k: 8 * v for k, v in by_hand(cfg, node).items()}
-        want[H.ENGINE] = 8 * 4 * GiB  # the TP-16 engine has 8 ranks on each node
+        want[H.ENGINE] = 8 * int(H.ENGINE_PROCESS_GB * GiB)  # the TP-16 engine has 8 ranks on each node
         assert host.nodes[node] == want, node
     assert host.fullest == max((0, 1), key=host.total) and host.shortfall == 0
     # the pinned states are the states the GPU plan's train phase counts
@@ -67,8 +67,8 @@ def test_what_lives_on_the_host_follows_the_config():
     # engines on GPUs of their own: node 0 trains (nothing to offload), node 1 holds the engine ranks only
     _, plan = plan_of("cluster.colocate=false", "cluster.rollout_gpus=8", "rollout.tp_size=8", "rollout.ep_size=8")
     n0, n1 = plan.host.nodes
-    assert n0[H.STATES] == 0 and n0[H.TRAINER] == 8 * 3 * GiB and n0[H.ENGINE] == 0
-    assert n1 == {**dict.fromkeys(H.ITEMS, 0), H.ENGINE: 8 * 4 * GiB}
+    assert n0[H.STATES] == 0 and n0[H.TRAINER] == 8 * int(H.TRAINER_PROCESS_GB * GiB) and n0[H.ENGINE] == 0
+    assert n1 == {**dict.fromkeys(H.ITEMS, 0), H.ENGINE: 8 * int(H.ENGINE_PROCESS_GB * GiB)}
     _, plan = plan_of("rollout.engine=embedded")  # samples on the trainer's shards: nothing offloaded
     assert plan.host.nodes[0][H.STATES] == plan.host.nodes[0][H.ENGINE] == 0
 

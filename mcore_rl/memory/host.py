@@ -14,8 +14,8 @@ rank (PP stage s = r // (world / pp): megatron's rank order puts PP outermost):
                            writer's bound; always counted, as the final step saves
   trainer process          torch, megatron and the CUDA context's host side (memory.host_trainer_process_gb)
 and per engine rank (a GPU of an SGLang or vLLM engine) its process with its share of the
-tokenizer/detokenizer processes (memory.host_engine_process_gb). The process baselines are
-estimates still to be measured.
+tokenizer/detokenizer processes (memory.host_engine_process_gb). The process baselines were
+measured on one H100 at Moonlight widths (below).
 
 Node RAM: cluster.host_memory_gb, else this machine's MemTotal where it is a node of the run (its
 GPUs are visible, as the GPU capacity then comes from them); elsewhere the plan is shown, not checked.
@@ -31,8 +31,11 @@ from mcore_rl.memory.layout import inventory, megatron_rank_numel
 from mcore_rl.memory.planner import GiB, Plan, PlanError, PlanInputs, moment_bytes, optimizer_elements, trainer_bytes
 from mcore_rl.models.config import HFModel
 
-TRAINER_PROCESS_GB = 3.0  # estimate: torch + megatron imports, CUDA context's host side, NCCL, batches
-ENGINE_PROCESS_GB = 4.0  # estimate: an engine rank's scheduler and its share of tokenizer/detokenizer
+# measured on one H100 at Moonlight widths (benchmarks/RESULTS.md, issue 24): a trainer rank's RSS
+# beside its pinned buffers was 7.4 GiB (torch, megatron, the CUDA context's host side, NCCL); an
+# SGLang engine rank's processes 4.3 GiB (scheduler 2.2, detokenizer 1.0, its Ray actor 1.05)
+TRAINER_PROCESS_GB = 8.0
+ENGINE_PROCESS_GB = 4.5
 CKPT_STAGING_MIN, CKPT_STAGING_SHARE = 2 * GiB, 0.05  # the checkpoint writer's staging bound per rank
 
 STATES = "trainer states, pinned"
