@@ -112,10 +112,6 @@ class StorageOffloader:
                 out.append(s)
         return out
 
-    def host_bytes(self) -> int:
-        """Pinned host memory held now (kept between cycles, reused while sizes stay)."""
-        return sum(h.nbytes for h in self.host)
-
     @property
     def offloaded(self) -> bool:
         return bool(self.by_storage)
