@@ -39,7 +39,8 @@ MEMORY_PHASES = ("train", "sync", "rollout", "save")
 # the loop's memory metrics (mcore_rl.memory.monitor), reported per step
 MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),
           *(f"memory/trainer_max_{k}_gib_{p}" for p in ("onload", "old_log_prob", "update")
-            for k in ("allocated", "reserved")), "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
+            for k in ("allocated", "reserved")), "memory/trainer_offloaded_allocated_gib",
+          "memory/trainer_offloaded_reserved_gib", "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
           *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout")), "timing/save", "checkpoint/state_gib")
 
 
@@ -118,6 +119,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--no-engine-alone", action="store_true",
+                    help="skip the engine-alone measurement (reported as not measured)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     from mcore_rl import config as C
@@ -141,8 +144,8 @@ def main() -> int:
     flops = tokens * (6 * active_params(hf) + attention_flops_per_token(hf, int(seq))) * cfg.actor.ppo_epochs
     update_s = med("timing/update_actor")
     sync_s, sync_b = med("sync/seconds"), med("sync/bytes")
-    alone = engine_alone(cfg, os.path.join(work, "run", "engine_hf"), B, int(round(prompt)),
-                         cfg.rollout.max_response_len)
+    alone = None if a.no_engine_alone else engine_alone(cfg, os.path.join(work, "run", "engine_hf"), B,
+                                                        int(round(prompt)), cfg.rollout.max_response_len)
     # max over steps 2..N of the steps that logged it (the checkpoint only runs on save steps); None: never
     memory_max = {m: max((s[m] for s in timed if s.get(m) is not None), default=None) for m in MEMORY}
     planned = {}
@@ -150,6 +153,8 @@ def main() -> int:
         try:
             plan, _ = plan_for_config(cfg)
             planned = {ph: round(plan.total(ph) / 2**30, 2) for ph in plan.phases}
+            planned["components"] = {ph: {c: round(b / 2**30, 3) for c, b in comps.items()}
+                                     for ph, comps in plan.phases.items()}
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             planned = {"error": str(e)}
     result = dict(config=a.config, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),

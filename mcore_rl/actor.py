@@ -34,12 +34,13 @@ def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, 
     Only the positions that predict response tokens are normalised over the vocabulary. fused: the
     same numbers through mcore_rl.head (no fp32 [rows, V] copies kept for backward).
     """
-    rows, target = logits[packed.response_rows], packed.response_targets
+    target = packed.response_targets
     if fused:
         from mcore_rl.head import logprob_entropy
 
-        logp_sel, ent_sel = logprob_entropy(rows, target, temperature, with_entropy)
+        logp_sel, ent_sel = logprob_entropy(logits, target, temperature, with_entropy, index=packed.response_rows)
     else:
+        rows = logits[packed.response_rows]
         logp_all = F.log_softmax(rows.float() / temperature, dim=-1)
         logp_sel = logp_all.gather(-1, target[:, None]).squeeze(-1)
         ent_sel = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
@@ -62,6 +63,9 @@ class MegatronActor:
         from mcore_rl.parallel import Layout, init_distributed
 
         torch.set_num_threads(1)
+        from mcore_rl.memory.allocator import use_expandable_segments
+
+        use_expandable_segments(cfg["memory"]["expandable_segments"])  # before anything is allocated
         if rank == 0:
             print(compat.accelerators_line(), flush=True)
         init = init or {}
@@ -268,7 +272,9 @@ class MegatronActor:
     def onload_states(self) -> None:
         self._writes_done()
         if self.device.type == "cuda":
-            self._peaks = {}
+            # what this process kept on the GPU while the engine had it (the rollout phase)
+            self._peaks = {"memory/trainer_offloaded_allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                           "memory/trainer_offloaded_reserved_gib": torch.cuda.memory_reserved() / 2**30}
             torch.cuda.reset_peak_memory_stats()
             self._state_offloader().onload()
             self._allocator_peak("onload")

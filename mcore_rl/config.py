@@ -122,6 +122,9 @@ class MemoryConfig:
     saver_hook_mode: Literal["preload", "torch"] = "preload"  # torch: CUDA graphs cannot be released
     auto_mem_fraction: bool = True  # pick rollout.mem_fraction_static; false: check the configured one
     sync_bucket_mb: int = 512  # weight-sync bucket (two are resident, outside saver regions)
+    # the trainer's CUDA allocator maps pages into growing segments: what it reserves follows what
+    # it allocates across the offload/onload cycles (mcore_rl.memory.allocator); GPU only
+    expandable_segments: bool = True
     cuda_graph_gb: float | None = None  # null: estimate from rollout.cuda_graph_max_bs
     # host memory of each process besides its states (mcore_rl.memory.host); null: the planner's
     # estimates, 3 GiB per trainer rank and 4 GiB per engine rank (with its tokenizer/detokenizer)

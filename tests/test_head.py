@@ -51,9 +51,12 @@ def test_without_entropy_or_its_gradient():
     assert logp.shape == (0,) and empty.grad.shape == (0, 20)
 
 
-def test_token_logprobs_fused_equals_plain():
+@pytest.mark.parametrize("chunk_rows", [1000, 2], ids=["one-chunk", "chunked"])
+def test_token_logprobs_fused_equals_plain(monkeypatch, chunk_rows):
     """The actor's packed helper: log-probs and entropies at the response positions, both ways."""
     from mcore_rl import batching
+
+    monkeypatch.setattr(head, "CHUNK_BYTES", chunk_rows * 4 * 30)
     from mcore_rl.actor import token_logprobs
 
     torch.manual_seed(2)
@@ -68,3 +71,11 @@ def test_token_logprobs_fused_equals_plain():
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
     assert (a[0] == 0).sum() == 1  # the masked-out response token stays 0
+    grads = []
+    for fused in (True, False):  # the gradient lands in the logits' rows, zero elsewhere
+        x = logits.clone().requires_grad_()
+        logp, ent = token_logprobs(x, packed, 0.9, with_entropy=True, fused=fused)
+        (logp.sum() + 0.5 * ent.sum()).backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-6)
+    assert grads[0].abs().sum(-1).count_nonzero() == len(packed.response_rows)

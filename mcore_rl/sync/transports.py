@@ -85,7 +85,10 @@ class CudaIpcTransport(Transport):
         self.engine_rank_of, self.serialize, self.meta_cls, self.group = engine_rank_of, serializer, meta_cls, group
 
     def send(self, named, last):
-        flat, metas = flatten(named)
+        from mcore_rl.memory.allocator import ipc_shareable
+
+        with ipc_shareable():  # the engine maps this buffer through CUDA IPC
+            flat, metas = flatten(named)
         payload = None
         if dist.get_rank() in self.engine_rank_of:
             payload = self.serialize({"flattened_tensor": flat,

@@ -70,7 +70,8 @@ for name, x in (("PinnedBuffer", b.tensor), ("pin_memory", t)):
     print(name, "read in a forked child: exit status", os.waitpid(pid, 0)[1], flush=True)
 PY
       ;;
-    loop1gpu) timeout 590 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_${LAYERS:-4}L.json" \
+    loop1gpu) timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
+                --out "$OUT/loop_${LAYERS:-4}L${TAG:-}.json" ${NO_ALONE:+--no-engine-alone} \
                 cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers="${LAYERS:-4}" \
                 trainer.total_training_steps="${STEPS:-3}" "${EXTRA[@]}" 2>&1 | quiet | tail -60 ;;
     driver_cuda)  # does the driver's memory plan start a CUDA context (it holds GPU memory all run)?
