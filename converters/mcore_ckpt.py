@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from converters.mappings import Param, mapping_for
-from mcore_rl import compat
 from mcore_rl.models.config import HFModel
 
 MCORE_RL_META = "mcore_rl.json"
@@ -51,11 +50,6 @@ def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
     from mcore_rl.parallel import Layout, init_distributed
 
     _ensure_single_process_group()
-    if not torch.cuda.is_initialized():
-        # shapes only: a process that has not started CUDA (the driver planning memory) must not
-        # start it here, or its context holds GPU memory all run; megatron's CPU patches keep its
-        # current_device and RNG-tracker calls off CUDA
-        compat.apply(cpu=True)
     if dist.get_world_size() != 1:
         raise RuntimeError("skeleton() builds an unsharded model and must run in one process")
     if not ps.model_parallel_is_initialized():

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -90,8 +92,34 @@ class ModelSave:
             self.args[1] = self.request.preload_fn()
 
     def write(self) -> None:
-        if self.request.async_fn is not None:
-            self.request.async_fn(*self.args, **self.request.async_fn_kwargs)
+        """Write every bucket of this rank from this process, a thread per bucket. megatron's own
+        `write_preloaded_data_multiproc` forks a writer per bucket, and a fork copies every page
+        pinned for DMA (Linux keeps those with the parent and gives the child copies): with the
+        offloaded states in pinned buffers, that was a second full copy of the state (measured on
+        an H200: host PSS +41.4 GiB during the save of 42.05 GiB)."""
+        fn = self.request.async_fn
+        if fn is None:
+            return
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        if getattr(fn, "func", None) is not FileSystemWriterAsync.write_preloaded_data_multiproc:
+            raise RuntimeError(f"megatron's save function is {fn!r}, not the writer this was written for")
+        transform_list, use_msc = fn.args
+        _, buckets, results_queue = self.args
+        local, count = queue.Queue(), queue.Queue()  # what write_preloaded_data reports into
+        with ThreadPoolExecutor(max(1, len(buckets)), thread_name_prefix="ckpt-write") as pool:
+            for i, bucket in enumerate(buckets):
+                count.put(i)
+                pool.submit(FileSystemWriterAsync.write_preloaded_data, transform_list, i, bucket, local, count,
+                            True, use_msc=use_msc)
+        results = {}
+        for _ in buckets:
+            i, got = local.get_nowait()
+            if isinstance(got, Exception):
+                results = got
+                break
+            results[i] = got
+        results_queue.put(results)  # as the forked writers would have: finalize() reads it
 
     def finalize(self) -> None:
         for fn in self.request.finalize_fns:

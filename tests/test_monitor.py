@@ -132,3 +132,32 @@ def test_survives_exited_process_and_closes(helper):
     assert mon.take() == {} and mon._thread.is_alive()
     mon.close()
     assert not mon._thread.is_alive()
+
+
+def test_a_reading_that_spans_a_phase_switch_is_dropped(helper, monkeypatch):
+    """A slow host reading (a PSS walk of a large process) begun in one phase must not land in
+    it when the next phase has begun meanwhile: it is dropped, and the new phase samples afresh."""
+    import mcore_rl.memory.monitor as monitor
+
+    p, ask = helper
+    started, release = __import__("threading").Event(), __import__("threading").Event()
+    real = monitor._process_tree
+
+    def slow_tree(pids):
+        started.set()
+        release.wait(5)
+        return real(pids)
+
+    with PhaseMonitor([p.pid], interval_s=0.01) as mon:
+        monkeypatch.setattr(monitor, "_process_tree", slow_tree)
+        mon.enter("train")
+        assert started.wait(5)  # a reading of "train" is under way
+        ask(f"alloc {ALLOC}")  # what the next phase holds
+        mon.enter("rollout")
+        release.set()
+        monkeypatch.setattr(monitor, "_process_tree", real)
+        settle(mon)
+        mon.enter(None)
+        peaks = mon.take()
+    assert "memory/host_rss_peak_gib_train" not in peaks  # its only reading spanned the switch
+    assert rss(peaks, "rollout") > ALLOC

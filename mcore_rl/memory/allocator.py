@@ -19,11 +19,17 @@ import torch
 _enabled = False
 
 
+def _set(setting: str) -> None:
+    # newer torch has it under torch._C, and the old name warns on every call
+    fn = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    fn(setting)
+
+
 def use_expandable_segments(on: bool) -> None:
     """Set once per trainer process, before its states are allocated (GPU only)."""
     global _enabled
     if torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+        _set(f"expandable_segments:{on}")
         _enabled = on
 
 
@@ -33,8 +39,8 @@ def ipc_shareable():
     if not _enabled:
         yield
         return
-    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    _set("expandable_segments:False")
     try:
         yield
     finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        _set("expandable_segments:True")

@@ -13,7 +13,10 @@ and keeps, per phase, the largest reading taken while that phase was current:
   sum of PSS is also kept (a shared page split among its sharers, so the sum counts it once); it
   reads /proc/PID/smaps_rollup, which walks the page tables, hence opt-in.
 
-Samples taken while no phase is current are dropped. Only pids of this node mean anything: a
+Samples taken while no phase is current are dropped, and so is any reading during which the phase
+changed: a PSS walk of a large process takes longer than a colocated phase switch, and its
+reading would land in the phase that was current when it began (at real width that put the
+rollout's GPU peak into the train phase). Only pids of this node mean anything: a
 pid number from another node names some other process here (`local_pids` keeps this node's Ray
 actors). Watching the driver of a local Ray run would take in all of Ray (its raylet is the
 driver's child, the workers the raylet's), hence actor pids rather than os.getpid().
@@ -44,6 +47,7 @@ class PhaseMonitor:
         self.last_error: Exception | None = None  # the thread never raises; the last failure is kept here
         self._pids: set[int] = set(pids)
         self._phase: str | None = None
+        self._entered = 0  # phase switches so far: a reading is kept only if none happened during it
         self._peaks: dict[str, int] = {}  # metric key -> bytes, since the last take()
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -62,6 +66,7 @@ class PhaseMonitor:
         starts: a phase without a reading has no keys)."""
         with self._lock:
             self._phase = name
+            self._entered += 1
         self._wake.set()
 
     @contextlib.contextmanager
@@ -102,9 +107,18 @@ class PhaseMonitor:
 
     def _sample(self) -> None:
         with self._lock:
-            phase, pids = self._phase, set(self._pids)
+            phase, pids, entered = self._phase, set(self._pids), self._entered
         if phase is None:
             return
+        reading = {}
+        if self._gpu:  # first: one NVML call, well inside any phase
+            try:
+                used = [g.used for g in all_gpus()]
+                if used:
+                    reading["gpu"] = max(used)
+            except Exception as e:  # noqa: BLE001 - a failed NVML read must not lose the host reading
+                self.last_error = e
+        self._keep(phase, entered, reading)
         reading = {}  # no host keys when no watched process could be read: absent, not 0
         for p in _process_tree(pids):
             try:
@@ -114,14 +128,13 @@ class PhaseMonitor:
             reading["host_rss"] = reading.get("host_rss", 0) + m.rss
             if self.pss:
                 reading["host_pss"] = reading.get("host_pss", 0) + m.pss
-        if self._gpu:
-            try:
-                used = [g.used for g in all_gpus()]
-                if used:
-                    reading["gpu"] = max(used)
-            except Exception as e:  # noqa: BLE001 - a failed NVML read must not lose the host reading
-                self.last_error = e
+        self._keep(phase, entered, reading)
+
+    def _keep(self, phase: str, entered: int, reading: dict[str, int]) -> None:
+        """Record `reading` as `phase`'s, unless the phase changed since the sample began."""
         with self._lock:
+            if self._entered != entered:
+                return
             for what, b in reading.items():
                 key = f"memory/{what}_peak_gib_{phase}"
                 self._peaks[key] = max(self._peaks.get(key, 0), b)

@@ -76,6 +76,10 @@ class SyncSession:
         plan = self.spec.plan
         acc = ExpectedDigests(plan.engine, plan.hf, sorted({r for ranks in fed.values() for r in ranks}))
         stats = sync_weights(plan, self.shards, self.transport, observe=acc.add if fed else None)
+        if torch.cuda.is_available():
+            # the buckets and gathered shards are free now; cached, they would stay on the GPU all
+            # rollout (measured: 2.5 GiB of the trainer's while the engine generated, at Moonlight widths)
+            torch.cuda.empty_cache()
         if fed:  # every engine fed from here holds the same weights
             stats["expected"] = {k: {r: acc.digests[r] for r in ranks} for k, ranks in fed.items()}
         return stats
