@@ -140,6 +140,7 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
     """Rollout -> rewards -> advantages -> log-probs -> updates; ends with the trainer holding the
     GPUs (the caller checkpoints, then hands them back with `phases.to_rollout`)."""
     from mcore_rl import ppo
+    from mcore_rl.dynamic_sampling import sample_step_batch
 
     t0, times = time.perf_counter(), {}
 
@@ -149,10 +150,10 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         times[f"timing/{name}"] = times.get(f"timing/{name}", 0.0) + time.perf_counter() - t
         return out
 
-    idx = [i for i in prompt_idx for _ in range(cfg.rollout.n)]
-    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, cfg.trainer.seed * 100003 + step))
+    # generation and rule scores (several rounds with dynamic sampling)
+    batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, source, prompt_idx,
+                                                           cfg.trainer.seed * 100003 + step)
     times["timing/rollout"] = time.perf_counter() - t0
-    score = ppo.scores(source, idx, batch)
     t = time.perf_counter()
     phases.to_train()
     times["timing/to_train"] = time.perf_counter() - t
@@ -161,12 +162,13 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
     if cfg.critic.enabled:
         batch["values"] = torch.cat(timed("values", "values", batch))
-    metrics = ppo.advantages(cfg, batch, score, idx, kl_ctrl)
+    metrics.update(ppo.advantages(cfg, batch, reward, idx, kl_ctrl))
+    mask = batch["response_mask"]  # every sampled token, for the metrics below
+    metrics.update(ppo.correct_rollout(cfg, batch))  # may take rejected tokens out of the updates' mask
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
         metrics.update(_mean(timed("update_critic", "update_critic", batch)))
     metrics.update(_mean(timed("update_actor", "update", batch)))
     times["timing/step"] = time.perf_counter() - t0  # the sync that follows is timed on its own
-    mask = batch["response_mask"]
     metrics.update({"reward/mean": score.mean().item(), "response/length": mask.sum(1).mean().item(),
                     "perf/tokens_per_s": mask.sum().item() / times["timing/step"],
                     "perf/rollout_tokens_per_s": mask.sum().item() / times["timing/rollout"], **times})
@@ -417,12 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
+    from mcore_rl.dynamic_sampling import RefillsExhausted
     from mcore_rl.memory.planner import PlanError
 
     t0 = time.perf_counter()
     try:
         m = train(cfg)
-    except (GpuSelectionError, run_ckpt.CheckpointError) as e:
+    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted) as e:
         return report(e)
     except PlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:
