@@ -274,6 +274,7 @@ class TrainerConfig:
     resume: Literal["auto", "disable"] = "auto"  # disable: refused where output_dir already holds a run
     max_checkpoints: int | None = None  # keep the newest N complete checkpoints; null keeps all
     async_save: bool = False  # checkpoint files written in the background while the next rollout runs
+    rollout_dump_dir: str | None = None  # each step's rollout to DIR/step_N.pt (`--replay DIR` trains on it)
     logger: list[Logger] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 1
 

@@ -141,6 +141,7 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
     GPUs (the caller checkpoints, then hands them back with `phases.to_rollout`)."""
     from mcore_rl import ppo
     from mcore_rl.dynamic_sampling import sample_step_batch
+    from mcore_rl.rollout_dump import RolloutReplay, dump_rollout
 
     t0, times = time.perf_counter(), {}
 
@@ -150,9 +151,13 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         times[f"timing/{name}"] = times.get(f"timing/{name}", 0.0) + time.perf_counter() - t
         return out
 
-    # generation and rule scores (several rounds with dynamic sampling)
-    batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, source, prompt_idx,
-                                                           cfg.trainer.seed * 100003 + step)
+    if isinstance(engine, RolloutReplay):  # train-only: the step's dumped rollout
+        batch, idx, score, reward, metrics = engine.step_batch(step)
+    else:  # generation and rule scores (several rounds with dynamic sampling)
+        batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, source, prompt_idx,
+                                                               cfg.trainer.seed * 100003 + step)
+    if cfg.trainer.rollout_dump_dir:
+        dump_rollout(cfg.trainer.rollout_dump_dir, step, batch, idx, score, reward)
     times["timing/rollout"] = time.perf_counter() - t0
     t = time.perf_counter()
     phases.to_train()
@@ -225,7 +230,9 @@ def memory_plan(cfg: C.Config):
     return plan
 
 
-def train(cfg: C.Config) -> dict:
+def train(cfg: C.Config, replay: str | None = None) -> dict:
+    """The RL loop; replay: a rollout_dump_dir to train on instead of sampling (no engine, no
+    prompts, no validation)."""
     import ray
 
     from mcore_rl.data.prompts import load_prompt_sources
@@ -239,7 +246,7 @@ def train(cfg: C.Config) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     hf_dir = prepare_model(cfg, run_dir)
     plan = memory_plan(cfg)
-    train_task, val_task = load_prompt_sources(cfg)
+    train_task, val_task = (None, None) if replay else load_prompt_sources(cfg)
     init = initial_checkpoints(cfg, hf_dir, run_dir)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
@@ -261,11 +268,15 @@ def train(cfg: C.Config) -> dict:
         _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
         from mcore_rl.ppo import stop_ids
         from mcore_rl.rollout.launch import launch
+        from mcore_rl.rollout_dump import RolloutReplay
 
-        if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
-            group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
-        engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
-                              train_task.tokenizer.pad_token_id or 0, plan)
+        if replay:
+            engine = RolloutReplay(replay)
+        else:
+            if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
+                group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
+            engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
+                                  train_task.tokenizer.pad_token_id or 0, plan)
         first = {}
         if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
             first = sync(start)
@@ -299,8 +310,8 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     logger = MetricsLogger(run_dir, t.logger, project=t.project, experiment=t.experiment,
                            config=C.to_dict(cfg))
     B = cfg.data.train_batch_size
-    per_epoch = len(train_task.prompts) // B
-    total = t.total_training_steps or t.total_epochs * per_epoch
+    per_epoch = len(train_task.prompts) // B if train_task else 1
+    total = t.total_training_steps or (t.total_epochs * per_epoch if train_task else max(engine.steps))
     before = dict(first_sync)  # logged at the step the run starts from
     if t.val_before_train and start == 0 and val_task:
         before.update(validate(cfg, engine, val_task))
@@ -308,10 +319,13 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
     for step in range(start + 1, total + 1):
-        order = torch.randperm(len(train_task.prompts),
-                               generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
-        k = (step - 1) % per_epoch
-        metrics = rl_step(cfg, group, engine, phases, train_task, order[k * B:(k + 1) * B].tolist(), step, kl_ctrl)
+        prompts = []
+        if train_task:  # a replay trains on dumped batches
+            order = torch.randperm(len(train_task.prompts),
+                                   generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
+            k = (step - 1) % per_epoch
+            prompts = order[k * B:(k + 1) * B].tolist()
+        metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
         ckpt.finish()  # a background save of the step before is complete once this step has trained
         logger.log(metrics, step=step)  # before the checkpoint: a resumed run never lacks a saved step
         save = None
@@ -404,8 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mcore_rl.train", description=__doc__)
     p.add_argument("--config", required=True)
     p.add_argument("--dry-run", action="store_true", help="validate and print the placement and memory plan")
+    p.add_argument("--replay", metavar="DIR", help="train on the rollouts dumped to DIR (trainer.rollout_dump_dir), "
+                                                   "without an engine")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # options may follow the overrides
     from mcore_rl.cli_errors import BAD_INPUT, report
     from mcore_rl.compat import quiet_fallback_warnings
 
@@ -420,12 +436,13 @@ def main(argv: list[str] | None = None) -> int:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
     from mcore_rl.dynamic_sampling import RefillsExhausted
+    from mcore_rl.rollout_dump import DumpError
     from mcore_rl.memory.planner import PlanError
 
     t0 = time.perf_counter()
     try:
-        m = train(cfg)
-    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted) as e:
+        m = train(cfg, replay=a.replay)
+    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError) as e:
         return report(e)
     except PlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:

@@ -268,7 +268,8 @@ def test_parquet_data_with_kl_tis_and_rloo(tmp_path):
 def test_critic_free_options_wire_through(tmp_path):
     """GSPO with clip-higher and Dr.GRPO (no std, seq-mean-token-sum-norm), sequence-level TIS with
     geometric-mean rejection, the overlong penalty and dynamic sampling in two steps of the tiny
-    embedded run: every option's metrics every step, the shaped reward in the advantages."""
+    embedded run: every option's metrics every step, the shaped reward in the advantages, each
+    step's rollout dumped."""
     recs, _ = _train(str(tmp_path / "run"), "configs/tiny_ppo_cpu.yaml", "critic.enabled=false",
                      "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false", "rollout.n=8",
                      "data.train_batch_size=4", "data.gen_batch_size=8", "actor.ppo_mini_batch_size=2",
@@ -279,9 +280,14 @@ def test_critic_free_options_wire_through(tmp_path):
                      "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=1",
                      "reward.overlong_buffer.penalty_factor=0.5", "algorithm.filter_groups.enable=true",
                      "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
-                     "trainer.save_freq=-1")
+                     "trainer.save_freq=-1", f"trainer.rollout_dump_dir={tmp_path / 'dump'}")
     steps = [r for r in recs if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
+    assert sorted(os.listdir(tmp_path / "dump")) == ["step_1.pt", "step_2.pt"]
+    dumped = torch.load(tmp_path / "dump" / "step_2.pt", weights_only=True)
+    # dynamic sampling filled exactly the batch: 4 prompts x 8 samples, each group's rewards unequal
+    assert dumped["batch"]["rollout_log_probs"].shape[0] == len(dumped["index"]) == 32
+    assert (dumped["reward"].reshape(4, 8).amax(1) > dumped["reward"].reshape(4, 8).amin(1)).all()
     for r in steps:
         for key in ("rollout_corr/rollout_rs_masked_fraction", "train/kept_group_fraction", "actor/pg_clipfrac"):
             assert key in r, key
