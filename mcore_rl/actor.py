@@ -335,7 +335,7 @@ class MegatronActor:
         self._writes_done()
         a = self.cfg["actor"]
         keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
-                "rollout_log_probs")
+                "rollout_is_weights")
         out = self._epochs(self.model, self.opt, self._local(batch, keys), self._policy_loss, a["ppo_epochs"],
                            self._sizes("actor"), warmup=a["lr_warmup_steps"], base_lr=a["lr"])
         if self.ref is not None and a["use_kl_loss"]:
@@ -416,11 +416,12 @@ class MegatronActor:
         logp, ent = token_logprobs(logits, packed, self.cfg["rollout"]["temperature"], with_entropy=True,
                                    fused=self._fused_logprobs)
         mask = d["response_mask"]
-        tis = dict(rollout_log_prob=d["rollout_log_probs"], tis_imp_ratio_cap=a["tis_imp_ratio_cap"]) \
-            if a["tis_imp_ratio_cap"] and "rollout_log_probs" in d else {}
+        # seq-mean-token-sum-norm's constant: the longest response, unless set
+        agg = dict(agg, loss_scale_factor=a["loss_scale_factor"] or self.cfg["rollout"]["max_response_len"])
         pg_loss, pg = policy_loss(d["old_log_probs"], logp, d["advantages"], mask,
-                                  clip_ratio_low=a["clip_ratio_low"], clip_ratio_high=a["clip_ratio_high"],
-                                  clip_ratio_c=a["clip_ratio_c"], loss_agg_mode=mode, **tis, **agg)
+                                  loss_mode=a["policy_loss"]["loss_mode"], clip_ratio_low=a["clip_ratio_low"],
+                                  clip_ratio_high=a["clip_ratio_high"], clip_ratio_c=a["clip_ratio_c"],
+                                  loss_agg_mode=mode, rollout_is_weights=d.get("rollout_is_weights"), **agg)
         loss, sums = pg_loss, {"actor/pg_loss": pg_loss.detach()}
         if a["entropy_coeff"]:
             loss = loss - a["entropy_coeff"] * agg_loss(ent, mask, mode, **agg)

@@ -29,7 +29,7 @@ from mcore_rl.cli_errors import BAD_INPUT, BadInput, hf_config, read_yaml_mappin
 Dtype = Literal["bf16", "fp16", "fp32"]
 AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 KLType = Literal["k1", "k2", "low_var_kl"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 
 
@@ -141,6 +141,29 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """The engine's log-probs as the behaviour policy (mcore_rl.algos.rollout_correction; verl's
+    algorithm.rollout_correction). The defaults correct nothing."""
+
+    rollout_is: Literal["token", "sequence"] | None = None  # importance weights per token or per sequence
+    rollout_is_threshold: float | str = 2.0  # a number: truncate (TIS); "lower_upper": zero outside (IcePop)
+    rollout_is_batch_normalize: bool = False  # weights rescaled to mean 1 over the batch
+    # rejection (masked IS), comma-separated, e.g. "token_k1" or "seq_mean_k1" (geometric mean ratio)
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None  # k1: "lower_upper" ratios; k2/k3: an upper bound
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): groups whose `metric` is equal
+    for all rollout.n samples are dropped and refilled from further prompts."""
+
+    enable: bool = False
+    metric: Literal["reward", "score"] = "reward"  # reward: the score plus reward shaping
+    max_num_gen_batches: int = 0  # generation rounds per step (of data.gen_batch_size prompts); <= 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = "grpo"
     gamma: float = 1.0
@@ -149,6 +172,13 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: KLType = "k1"  # estimator used for the in-reward penalty
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"  # mcore_rl.algos.losses.POLICY_LOSS_MODES
 
 
 @dataclass
@@ -161,6 +191,8 @@ class ActorConfig:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
     loss_agg_mode: LossAggMode = "token-mean"
+    loss_scale_factor: float | None = None  # seq-mean-token-sum-norm's divisor; null: rollout.max_response_len
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -170,7 +202,8 @@ class ActorConfig:
     micro_batch_size: int = 4  # samples per GPU per forward, when not use_dynamic_bsz
     use_dynamic_bsz: bool = False  # pack micro-batches up to ppo_max_token_len_per_gpu tokens
     ppo_max_token_len_per_gpu: int = 16384
-    tis_imp_ratio_cap: float | None = None  # truncated importance sampling cap; None disables
+    # token-level TIS cap, verl's older key: algorithm.rollout_correction with rollout_is: token
+    tis_imp_ratio_cap: float | None = None
     use_distributed_optimizer: bool = True  # shard fp32 main params and Adam moments over DP
     # aux-loss-free balancing (DeepSeek-V3): expert-bias step per update; 0 keeps routing as loaded
     router_bias_update_rate: float = 0.0
@@ -208,11 +241,27 @@ class DataConfig:
     filter_overlong_prompts: bool = True
     truncation: Literal["error", "left", "right"] = "error"
     train_batch_size: int = 1024  # prompts per step
+    gen_batch_size: int | None = None  # prompts per generation round of dynamic sampling; null: train_batch_size
     val_batch_size: int | None = None  # None: the whole validation set at once
     shuffle: bool = True
     task: str | None = None  # an embedded generated task (mcore_rl.data.tasks) instead of files
     task_train_size: int = 4096
     task_val_size: int = 256
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong penalty (verl's reward_kwargs.overlong_buffer_cfg): a response longer
+    than rollout.max_response_len - len loses up to penalty_factor of reward, linearly."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -228,6 +277,7 @@ class TrainerConfig:
     resume: Literal["auto", "disable"] = "auto"  # disable: refused where output_dir already holds a run
     max_checkpoints: int | None = None  # keep the newest N complete checkpoints; null keeps all
     async_save: bool = False  # checkpoint files written in the background while the next rollout runs
+    rollout_dump_dir: str | None = None  # each step's rollout to DIR/step_N.pt (`--replay DIR` trains on it)
     logger: list[Logger] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 1
 
@@ -242,6 +292,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
@@ -476,8 +527,10 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
         value = getattr(cfg.trainer, name)
         need(value is None or value >= 1, f"trainer.{name} must be >= 1 or null, got {value}")
     a, r, alg = cfg.actor, cfg.rollout, cfg.algorithm
-    for name in ("clip_ratio_low", "clip_ratio_high"):
-        need(0 <= getattr(a, name) < 1, f"actor.{name} must be in [0, 1), got {getattr(a, name)}")
+    need(0 <= a.clip_ratio_low < 1, f"actor.clip_ratio_low must be in [0, 1), got {a.clip_ratio_low}")
+    need(a.clip_ratio_high >= 0, f"actor.clip_ratio_high must be >= 0, got {a.clip_ratio_high}")
+    need(a.loss_scale_factor is None or a.loss_scale_factor > 0,
+         f"actor.loss_scale_factor must be > 0 or null, got {a.loss_scale_factor}")
     need(a.clip_ratio_c > 1, f"actor.clip_ratio_c must be > 1 (dual-clip bound), got {a.clip_ratio_c}")
     need(a.lr > 0, f"actor.lr must be > 0, got {a.lr}")
     need(a.tis_imp_ratio_cap is None or a.tis_imp_ratio_cap > 0,
@@ -692,6 +745,31 @@ def _check_algorithm(cfg: Config, errors: list[str]) -> None:
         errors.append("trainer.project must be set for the wandb logger")
 
 
+def _check_corrections(cfg: Config, errors: list[str]) -> None:
+    """Rollout correction, dynamic sampling and reward shaping (their thresholds parsed here, so a
+    bad one stops the run before anything starts)."""
+    import mcore_rl.algos.rollout_correction as rc
+
+    corr, alg, a = cfg.algorithm.rollout_correction, cfg.algorithm, cfg.actor
+    try:
+        rc.parse_is_threshold(corr.rollout_is_threshold)
+        if corr.rollout_rs is not None:
+            rc.parse_rs_thresholds(rc.parse_rs_options(corr.rollout_rs), corr.rollout_rs_threshold)
+    except ValueError as e:
+        errors.append(f"algorithm.rollout_correction: {e}")
+    if a.tis_imp_ratio_cap is not None and corr.rollout_is is not None:
+        errors.append("actor.tis_imp_ratio_cap and algorithm.rollout_correction.rollout_is both set: keep one "
+                      "(tis_imp_ratio_cap: c is rollout_is: token, rollout_is_threshold: c)")
+    ob, max_len = cfg.reward.overlong_buffer, cfg.rollout.max_response_len
+    if ob.enable and not 0 < ob.len <= max_len:
+        errors.append(f"reward.overlong_buffer.len must be in [1, rollout.max_response_len = {max_len}], got {ob.len}")
+    d = cfg.data
+    if d.gen_batch_size is not None and d.gen_batch_size < 1:
+        errors.append(f"data.gen_batch_size must be >= 1 or null, got {d.gen_batch_size}")
+    if alg.filter_groups.enable and cfg.rollout.n < 2:
+        errors.append("algorithm.filter_groups needs rollout.n >= 2 (it drops groups whose rewards are all equal)")
+
+
 def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | None] | dict | None = None,
                     available_gpus: int | None = None) -> Config:
     """Cross-check the sections; raises ConfigError listing every problem. Fills derived defaults.
@@ -709,6 +787,7 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     if cfg.rollout.engine == "vllm":
         _check_vllm(cfg, errors, hf)
     _check_algorithm(cfg, errors)
+    _check_corrections(cfg, errors)
     if errors:
         raise ConfigError(errors)
     if cfg.rollout.max_prompt_len is None:

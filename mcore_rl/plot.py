@@ -34,7 +34,8 @@ PANELS: dict[str, tuple[str, str, Callable[[str], bool]]] = {
 
 
 def load_metrics(path: str) -> Series:
-    """{metric: (steps, values)} sorted by step; the last record of a repeated step wins."""
+    """{metric: (steps, values)} sorted by step. A step's records merge, the later one winning a key
+    both have: the loop logs a step twice (its training, then its sync, save and validation)."""
     by_step: dict[int, dict] = {}
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -45,7 +46,7 @@ def load_metrics(path: str) -> Series:
             except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
                 print(f"[plot] skipping unreadable line {line_no} of {path}", file=sys.stderr)
                 continue
-            by_step[int(record["step"])] = record
+            by_step.setdefault(int(record["step"]), {}).update(record)
     series: Series = {}
     for step in sorted(by_step):
         for key, value in by_step[step].items():

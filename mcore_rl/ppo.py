@@ -74,6 +74,41 @@ def scores(source, idx: list[int], batch: dict) -> torch.Tensor:
     return torch.tensor(source.rewards(idx, responses), dtype=torch.float32)
 
 
+def reward_shaping(cfg: C.Config, batch: dict) -> torch.Tensor:
+    """What is added to each sample's score: DAPO's overlong penalty (reward.overlong_buffer), or 0."""
+    ob = cfg.reward.overlong_buffer
+    lengths = batch["response_mask"].sum(1)
+    if not ob.enable:
+        return torch.zeros_like(lengths)
+    from mcore_rl.algos.dapo import overlong_penalty
+
+    return overlong_penalty(lengths, cfg.rollout.max_response_len, ob.len, ob.penalty_factor)
+
+
+def correction_settings(cfg: C.Config) -> dict:
+    """algorithm.rollout_correction, with actor.tis_imp_ratio_cap (verl's older key) as token-level TIS."""
+    corr = dataclasses.asdict(cfg.algorithm.rollout_correction)
+    if cfg.actor.tis_imp_ratio_cap is not None:
+        corr.update(rollout_is="token", rollout_is_threshold=cfg.actor.tis_imp_ratio_cap)
+    return corr
+
+
+def correct_rollout(cfg: C.Config, batch: dict) -> dict:
+    """Rollout correction against the engine's log-probs: batch["rollout_is_weights"] for the
+    policy loss and, with rejection, the response mask the updates use (after advantages and the
+    data metrics, which see every sampled token). Returns the rollout_corr/* metrics."""
+    from mcore_rl.algos.rollout_correction import compute_rollout_correction
+
+    corr = correction_settings(cfg)
+    if corr["rollout_is"] is None and corr["rollout_rs"] is None:
+        return {}
+    weights, batch["response_mask"], metrics = compute_rollout_correction(
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], **corr)
+    if weights is not None:
+        batch["rollout_is_weights"] = weights
+    return metrics
+
+
 def advantages(cfg: C.Config, batch: dict, score: torch.Tensor, idx: list[int], kl_ctrl=None) -> dict:
     """Token-level rewards (score on the last response token, minus beta * KL when
     algorithm.use_kl_in_reward) -> batch["advantages"], batch["returns"]; returns metrics."""

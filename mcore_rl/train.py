@@ -140,6 +140,8 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
     """Rollout -> rewards -> advantages -> log-probs -> updates; ends with the trainer holding the
     GPUs (the caller checkpoints, then hands them back with `phases.to_rollout`)."""
     from mcore_rl import ppo
+    from mcore_rl.dynamic_sampling import sample_step_batch
+    from mcore_rl.rollout_dump import RolloutReplay, dump_rollout
 
     t0, times = time.perf_counter(), {}
 
@@ -149,10 +151,14 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         times[f"timing/{name}"] = times.get(f"timing/{name}", 0.0) + time.perf_counter() - t
         return out
 
-    idx = [i for i in prompt_idx for _ in range(cfg.rollout.n)]
-    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, cfg.trainer.seed * 100003 + step))
+    if isinstance(engine, RolloutReplay):  # train-only: the step's dumped rollout
+        batch, idx, score, reward, metrics = engine.step_batch(step)
+    else:  # generation and rule scores (several rounds with dynamic sampling)
+        batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, source, prompt_idx,
+                                                               cfg.trainer.seed * 100003 + step)
+    if cfg.trainer.rollout_dump_dir:
+        dump_rollout(cfg.trainer.rollout_dump_dir, step, batch, idx, score, reward)
     times["timing/rollout"] = time.perf_counter() - t0
-    score = ppo.scores(source, idx, batch)
     t = time.perf_counter()
     phases.to_train()
     times["timing/to_train"] = time.perf_counter() - t
@@ -161,12 +167,13 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
     if cfg.critic.enabled:
         batch["values"] = torch.cat(timed("values", "values", batch))
-    metrics = ppo.advantages(cfg, batch, score, idx, kl_ctrl)
+    metrics.update(ppo.advantages(cfg, batch, reward, idx, kl_ctrl))
+    mask = batch["response_mask"]  # every sampled token, for the metrics below
+    metrics.update(ppo.correct_rollout(cfg, batch))  # may take rejected tokens out of the updates' mask
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
         metrics.update(_mean(timed("update_critic", "update_critic", batch)))
     metrics.update(_mean(timed("update_actor", "update", batch)))
     times["timing/step"] = time.perf_counter() - t0  # the sync that follows is timed on its own
-    mask = batch["response_mask"]
     metrics.update({"reward/mean": score.mean().item(), "response/length": mask.sum(1).mean().item(),
                     "perf/tokens_per_s": mask.sum().item() / times["timing/step"],
                     "perf/rollout_tokens_per_s": mask.sum().item() / times["timing/rollout"], **times})
@@ -223,7 +230,9 @@ def memory_plan(cfg: C.Config):
     return plan
 
 
-def train(cfg: C.Config) -> dict:
+def train(cfg: C.Config, replay: str | None = None) -> dict:
+    """The RL loop; replay: a rollout_dump_dir to train on instead of sampling (no engine, no
+    prompts, no validation)."""
     import ray
 
     from mcore_rl.data.prompts import load_prompt_sources
@@ -237,7 +246,7 @@ def train(cfg: C.Config) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     hf_dir = prepare_model(cfg, run_dir)
     plan = memory_plan(cfg)
-    train_task, val_task = load_prompt_sources(cfg)
+    train_task, val_task = (None, None) if replay else load_prompt_sources(cfg)
     init = initial_checkpoints(cfg, hf_dir, run_dir)
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
@@ -259,11 +268,15 @@ def train(cfg: C.Config) -> dict:
         _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
         from mcore_rl.ppo import stop_ids
         from mcore_rl.rollout.launch import launch
+        from mcore_rl.rollout_dump import RolloutReplay
 
-        if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
-            group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
-        engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
-                              train_task.tokenizer.pad_token_id or 0, plan)
+        if replay:
+            engine = RolloutReplay(replay)
+        else:
+            if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
+                group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
+            engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
+                                  train_task.tokenizer.pad_token_id or 0, plan)
         first = {}
         if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
             first = sync(start)
@@ -297,8 +310,8 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     logger = MetricsLogger(run_dir, t.logger, project=t.project, experiment=t.experiment,
                            config=C.to_dict(cfg))
     B = cfg.data.train_batch_size
-    per_epoch = len(train_task.prompts) // B
-    total = t.total_training_steps or t.total_epochs * per_epoch
+    per_epoch = len(train_task.prompts) // B if train_task else 1
+    total = t.total_training_steps or (t.total_epochs * per_epoch if train_task else max(engine.steps))
     before = dict(first_sync)  # logged at the step the run starts from
     if t.val_before_train and start == 0 and val_task:
         before.update(validate(cfg, engine, val_task))
@@ -306,10 +319,13 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
     for step in range(start + 1, total + 1):
-        order = torch.randperm(len(train_task.prompts),
-                               generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
-        k = (step - 1) % per_epoch
-        metrics = rl_step(cfg, group, engine, phases, train_task, order[k * B:(k + 1) * B].tolist(), step, kl_ctrl)
+        prompts = []
+        if train_task:  # a replay trains on dumped batches
+            order = torch.randperm(len(train_task.prompts),
+                                   generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
+            k = (step - 1) % per_epoch
+            prompts = order[k * B:(k + 1) * B].tolist()
+        metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
         ckpt.finish()  # a background save of the step before is complete once this step has trained
         logger.log(metrics, step=step)  # before the checkpoint: a resumed run never lacks a saved step
         save = None
@@ -402,8 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mcore_rl.train", description=__doc__)
     p.add_argument("--config", required=True)
     p.add_argument("--dry-run", action="store_true", help="validate and print the placement and memory plan")
+    p.add_argument("--replay", metavar="DIR", help="train on the rollouts dumped to DIR (trainer.rollout_dump_dir), "
+                                                   "without an engine")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # options may follow the overrides
     from mcore_rl.cli_errors import BAD_INPUT, report
     from mcore_rl.compat import quiet_fallback_warnings
 
@@ -417,12 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
+    from mcore_rl.dynamic_sampling import RefillsExhausted
+    from mcore_rl.rollout_dump import DumpError
     from mcore_rl.memory.planner import PlanError
 
     t0 = time.perf_counter()
     try:
-        m = train(cfg)
-    except (GpuSelectionError, run_ckpt.CheckpointError) as e:
+        m = train(cfg, replay=a.replay)
+    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError) as e:
         return report(e)
     except PlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:

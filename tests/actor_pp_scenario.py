@@ -57,7 +57,7 @@ def actor_cfg(tp: int, pp: int, ep: int) -> dict:
         f"parallel.tp={tp}", f"parallel.etp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", "model.dtype=fp32",
         "rollout.n=1", "actor.ppo_mini_batch_size=6",
         f"actor.micro_batch_size={MICRO}", "actor.lr=1.0", "actor.weight_decay=0", "actor.entropy_coeff=0.01",
-        "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.tis_imp_ratio_cap=2.0",
+        "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
         "actor.router_bias_update_rate=1e-3", "critic.enabled=true", "critic.lr=1.0", "critic.weight_decay=0",
         f"critic.micro_batch_size={MICRO}"]))
     d = C.to_dict(cfg)
@@ -86,6 +86,7 @@ def run_actor(rank: int, world: int, port: int, root: str, tp: int, pp: int, ep:
     """Every actor method at TP=tp x PP=pp x EP=ep, for each family in turn; rank 0 saves the results.
     The actor sets up the process group unless the caller already has (tests/distributed.py)."""
     from mcore_rl.actor import MegatronActor
+    from mcore_rl.algos.rollout_correction import compute_rollout_correction
     from mcore_rl.rollout.embedded import sample_on_shards
 
     for fam in fams:
@@ -95,6 +96,10 @@ def run_actor(rank: int, world: int, port: int, root: str, tp: int, pp: int, ep:
         out = {"log_probs": as_driver(actor.log_probs(batch)), "ref": as_driver(actor.ref_log_probs(batch)),
                "values0": as_driver(actor.values(batch))}
         batch.update(old_log_probs=out["log_probs"], ref_log_probs=out["ref"], values=out["values0"])
+        # token-level TIS at cap 2, as the driver weights the policy loss (mcore_rl.ppo.correct_rollout)
+        batch["rollout_is_weights"] = compute_rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rollout_is="token",
+            rollout_is_threshold=2.0)[0]
         out["update"] = as_driver(actor.update(batch))
         out["log_probs_after"] = as_driver(actor.log_probs(batch))
         out["critic"] = as_driver(actor.update_critic(batch))

@@ -10,8 +10,7 @@ from mcore_rl.algos import (AdaptiveKLController, FixedKLController, agg_loss, a
                             compute_advantage, entropy_from_logits, entropy_loss, gae_advantage,
                             grpo_advantage, kl_estimate, kl_loss, make_kl_controller, masked_mean,
                             masked_whiten, policy_loss, reinforce_plus_plus_advantage,
-                            reinforce_plus_plus_baseline_advantage, rloo_advantage, tis_weights,
-                            value_loss)
+                            reinforce_plus_plus_baseline_advantage, rloo_advantage, value_loss)
 from tests.verl_reference import verl_module
 
 T = torch.tensor
@@ -106,15 +105,42 @@ def test_policy_loss_branches_by_hand():
     assert loss.item() == pytest.approx(sum(expected) / 5, rel=1e-6)
     assert m["actor/pg_clipfrac"].item() == pytest.approx(2 / 5)
     assert m["actor/pg_clipfrac_lower"].item() == pytest.approx(1 / 5)
-    # TIS: weight min(exp(old - rollout), cap) multiplies each token's loss
-    rollout = T([[0.0, math.log(2.0), -math.log(4.0), 0.0, 0.0]])
-    w = tis_weights(old, rollout, cap=2.0)
-    assert w[0].tolist() == pytest.approx([1.0, 0.5, 2.0, 1.0, 1.0])
+    # rollout IS weights multiply each token's loss
+    w = T([[1.0, 0.5, 2.0, 1.0, 1.0]])
     loss_tis, _ = policy_loss(old, ratio.log(), adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                              rollout_log_prob=rollout, tis_imp_ratio_cap=2.0)
+                              rollout_is_weights=w)
     assert loss_tis.item() == pytest.approx((-1.28 - 0.25 + 3.0 + 0.8 + 3.0) / 5, rel=1e-6)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         policy_loss(old, old, adv, mask, clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="loss_mode"):
+        policy_loss(old, old, adv, mask, loss_mode="ppo")
+
+
+def test_gspo_and_cispo_by_hand():
+    # one sequence of 2 tokens with ratios 4 and 1/4 (geometric mean 1) and one of ratio 2, 2
+    old = torch.zeros(2, 2)
+    new = T([[math.log(4.0), -math.log(4.0)], [math.log(2.0), math.log(2.0)]]).requires_grad_(True)
+    adv, mask = T([[1.0, 1.0], [1.0, 1.0]]), torch.ones(2, 2)
+    loss, m = policy_loss(old, new, adv, mask, loss_mode="gspo", clip_ratio_low=0.2, clip_ratio_high=0.2)
+    # GSPO: sequence ratio 1 (unclipped, -1 per token) and 2 (clipped to 1.2, -1.2 per token)
+    assert loss.item() == pytest.approx((-1 - 1 - 1.2 - 1.2) / 4)
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(0.5)
+    grad, = torch.autograd.grad(loss, new)
+    # the unclipped sequence's tokens get d(-s)/dlogp = -s / 4 each; the clipped one none
+    torch.testing.assert_close(grad, T([[-0.25, -0.25], [0.0, 0.0]]))
+    # CISPO: -sg(clip(r)) * A * log pi: clipped tokens keep a gradient of -clip(r) * A / 4
+    loss, m = policy_loss(old, new, adv, mask, loss_mode="cispo", clip_ratio_low=0.2, clip_ratio_high=0.2)
+    grad, = torch.autograd.grad(loss, new)
+    torch.testing.assert_close(grad, T([[-0.3, -0.2], [-0.3, -0.3]]))
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(1.0)
+
+
+def test_dr_grpo_aggregation_by_hand():
+    loss = T([[1.0, 2.0, 3.0], [4.0, 7.0, 7.0]])
+    mask = T([[1, 1, 1], [1, 0, 0]])
+    # sequence token sums 6 and 4, mean over sequences 5, divided by a constant (not the lengths)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=10).item() == pytest.approx(0.5)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(5 / 3)  # verl: the width
 
 
 def test_policy_gradient_sign_and_clip_cut():
@@ -241,9 +267,8 @@ def test_policy_value_entropy_losses_match_verl(verl_algos, mode):
     adv = torch.randn(mask.shape, generator=g)
     clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
     cfg = OmegaConf.create({"clip_ratio": 0.2, **clip, "global_batch_info": {}})
-    weights = tis_weights(old, rollout, cap=2.0)
-    ours, m = policy_loss(old, new, adv, mask, loss_agg_mode=mode, rollout_log_prob=rollout,
-                          tis_imp_ratio_cap=2.0, **clip)
+    weights = torch.exp(old - rollout).clamp(max=2.0)
+    ours, m = policy_loss(old, new, adv, mask, loss_agg_mode=mode, rollout_is_weights=weights, **clip)
     theirs, ref_m = verl_algos.compute_policy_loss_vanilla(old, new, adv, mask, loss_agg_mode=mode,
                                                            config=cfg, rollout_is_weights=weights)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
@@ -276,3 +301,38 @@ def test_kl_estimators_and_controller_match_verl(verl_algos):
         ours.update(kl, 8)
         theirs.update(kl, 8)
         assert ours.value == pytest.approx(theirs.value, rel=1e-12)
+
+
+def verl_actor_config(**clip):
+    """verl's ActorConfig, which its GSPO and CISPO losses insist on."""
+    return verl_module("verl.workers.config.actor").ActorConfig(
+        strategy="megatron", ppo_micro_batch_size_per_gpu=1, rollout_n=1, clip_ratio=0.2, **clip)
+
+
+@pytest.mark.parametrize("loss_mode", ["gspo", "cispo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_gspo_cispo_match_verl(verl_algos, loss_mode, mode):
+    g, _, _, mask, _ = random_batch(11)
+    old = -torch.rand(mask.shape, generator=g) * 3
+    new = (old + torch.randn(mask.shape, generator=g) * 0.3).requires_grad_(True)
+    adv = torch.randn(mask.shape, generator=g)
+    weights = torch.rand(mask.shape, generator=g) * 2
+    clip = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    ours, m = policy_loss(old, new, adv, mask, loss_mode=loss_mode, loss_agg_mode=mode, rollout_is_weights=weights,
+                          **clip)
+    theirs, ref_m = verl_algos.get_policy_loss_fn(loss_mode)(old, new, adv, mask, loss_agg_mode=mode,
+                                                             config=verl_actor_config(**clip),
+                                                             rollout_is_weights=weights)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(ours, new)[0], torch.autograd.grad(theirs, new)[0])
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert m[key].item() == pytest.approx(ref_m[key], rel=1e-5, abs=1e-7), key
+
+
+def test_dr_grpo_aggregation_matches_verl(verl_algos):
+    g, _, _, mask, _ = random_batch(12)
+    loss_mat = torch.randn(mask.shape, generator=g)
+    for factor in (None, 64):
+        torch.testing.assert_close(agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", loss_scale_factor=factor),
+                                   verl_algos.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm",
+                                                       loss_scale_factor=factor))

@@ -168,3 +168,22 @@ def test_vllm_engine_refuses_what_its_cpu_kernels_cannot_run():
                               "model.hf_config.qk_rope_head_dim=64"])
     dense = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     assert "no kernel for head size 16" in errors_of(["rollout.engine=vllm"], path=tiny, model_info=dense)
+
+
+def test_rollout_correction_and_dapo_settings_checked_up_front():
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny_cpu.yaml", [
+            "algorithm.rollout_correction.rollout_rs=seq_mean_k1,token_k2",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.9_1.1,0.5_1", "actor.tis_imp_ratio_cap=2",
+            "algorithm.rollout_correction.rollout_is=sequence", "reward.overlong_buffer.enable=true"])
+    text = str(e.value)
+    assert "rollout_rs_threshold of token_k2 takes an upper bound only" in text
+    assert "actor.tis_imp_ratio_cap and algorithm.rollout_correction.rollout_is both set" in text
+    assert "reward.overlong_buffer.len must be in [1, rollout.max_response_len = 2], got 0" in text
+    with pytest.raises(ConfigError, match="actor.policy_loss.loss_mode: expected one of 'vanilla', 'gspo', 'cispo'"):
+        load_config("configs/tiny_cpu.yaml", ["actor.policy_loss.loss_mode=gpg"])
+    # the defaults leave the loop as it was: no correction, PPO-clip, no shaping, no filter
+    cfg = load_config("configs/tiny_cpu.yaml")
+    assert cfg.algorithm.rollout_correction.rollout_is is None and cfg.algorithm.rollout_correction.rollout_rs is None
+    assert cfg.actor.policy_loss.loss_mode == "vanilla" and not cfg.reward.overlong_buffer.enable
+    assert not cfg.algorithm.filter_groups.enable and cfg.trainer.rollout_dump_dir is None

@@ -117,14 +117,14 @@ def write_run(run_dir, steps=30):
                      "response_length/mean": 100 + step}, step=step)
 
 
-def test_load_metrics_last_record_of_a_step_wins_and_partial_lines_skipped(tmp_path):
+def test_load_metrics_merges_a_steps_records_and_skips_partial_lines(tmp_path):
     write_run(tmp_path, steps=3)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 1, "time": 0, "critic/score/mean": 42.0, "x": None}) + "\n")
         f.write('{"step": 3, "critic/sc')  # killed mid-write
     series = load_metrics(str(tmp_path / "metrics.jsonl"))
     assert series["critic/score/mean"] == ([0, 1, 2], [0.0, 42.0, pytest.approx(1 - math.exp(-2 / 8))])
-    assert series["actor/entropy"][0] == [0, 2]  # step 1 was replaced wholesale
+    assert series["actor/entropy"][0] == [0, 1, 2]  # step 1's first record is kept where not overridden
     assert "x" not in series
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mcore_rl import config as C
+from mcore_rl.algos.rollout_correction import compute_rollout_correction
 from tests import distributed
 from tests.rl_batch import B, R, rl_batch
 from tests.tiny_models import make_hf_model
@@ -29,7 +30,12 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("algos")
     make_hf_model("deepseek_v3", str(root / "hf"))
     hf_to_mcore(str(root / "hf"), str(root / "ckpt"), dtype="fp32")
-    torch.save(rl_batch(), root / "batch.pt")
+    batch = rl_batch()
+    # token-level TIS weights, as the driver makes them (mcore_rl.ppo.correct_rollout)
+    batch["rollout_is_weights"], _, _ = compute_rollout_correction(
+        batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rollout_is="token",
+        rollout_is_threshold=2.0)
+    torch.save(batch, root / "batch.pt")
     return root
 
 
@@ -40,7 +46,7 @@ def actor_cfg(*overrides) -> dict:
         # optimizer's reduce-scatter is tested in test_optim.py)
         "actor.use_distributed_optimizer=false",
         "actor.use_kl_loss=true", "actor.kl_loss_coef=0.5", "actor.entropy_coeff=0.01",
-        "actor.tis_imp_ratio_cap=2.0", "actor.clip_ratio_c=1.5", *overrides]))
+        "actor.clip_ratio_c=1.5", *overrides]))
     d = C.to_dict(cfg)
     d["actor"]["lr"] = 0.0  # the update leaves the weights as they were: the grads are compared
     return d
@@ -61,11 +67,13 @@ def _reference_grads(actor, batch) -> dict:
         lp = torch.log_softmax(logits.float(), -1)
         logp = logp.index_put((torch.tensor([i]), torch.arange(r)), lp.gather(-1, seq[-r:, None])[:, 0])
         ent = ent.index_put((torch.tensor([i]), torch.arange(r)), -(lp.exp() * lp).sum(-1))
-    mask = batch["response_mask"]
+    mask, mode = batch["response_mask"], a["loss_agg_mode"]
+    agg = dict(loss_scale_factor=actor.cfg["rollout"]["max_response_len"])
     loss, _ = policy_loss(batch["old_log_probs"], logp, batch["advantages"], mask, clip_ratio_c=a["clip_ratio_c"],
-                          rollout_log_prob=batch["rollout_log_probs"], tis_imp_ratio_cap=a["tis_imp_ratio_cap"])
-    loss = loss - a["entropy_coeff"] * agg_loss(ent, mask) + a["kl_loss_coef"] * kl_loss(
-        logp, batch["ref_log_probs"], mask, a["kl_loss_type"])
+                          loss_mode=a["policy_loss"]["loss_mode"], loss_agg_mode=mode,
+                          rollout_is_weights=batch["rollout_is_weights"], **agg)
+    loss = loss - a["entropy_coeff"] * agg_loss(ent, mask, mode, **agg) + a["kl_loss_coef"] * kl_loss(
+        logp, batch["ref_log_probs"], mask, a["kl_loss_type"], mode, **agg)
     model.zero_grad_buffer()  # megatron's DDP accumulates grads in .main_grad buffers
     loss.backward()
     return {n: p.main_grad.clone() for n, p in model.named_parameters()}
@@ -109,6 +117,10 @@ def _single_rank(rank, root):
     _assert_close(_grads_after_update(actor, batch), ref, "dynamic bsz")
     actor.cfg["actor"].update(use_dynamic_bsz=False, micro_batch_size=6)  # one micro-batch
     _assert_close(_grads_after_update(actor, batch), ref, "one micro-batch")
+    # the sequence-level GSPO ratio and Dr.GRPO's aggregation reach the loss, over micro-batches too
+    actor.cfg["actor"].update(micro_batch_size=2, loss_agg_mode="seq-mean-token-sum-norm",
+                              policy_loss={"loss_mode": "gspo"})
+    _assert_close(_grads_after_update(actor, batch), _reference_grads(actor, batch), "gspo, seq-mean-token-sum-norm")
 
 
 def _recomputed(rank, root):
@@ -166,7 +178,7 @@ def _colocated_models(rank, root):
     critic_batch = {**batch, "values": actor.values(batch), "returns": batch["advantages"]}
     for _ in range(2):
         stats = actor.update({**batch, "old_log_probs": actor.log_probs(batch)})
-        assert stats["actor/kl_coef"] == 0.5 and "actor/kl_loss" in stats and "actor/tis_weight_mean" in stats
+        assert stats["actor/kl_coef"] == 0.5 and "actor/kl_loss" in stats
         cstats = actor.update_critic(critic_batch)
         assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"} <= set(cstats)
     assert (steps[id(actor.opt)], steps[id(actor.critic_opt)]) == (2, 4)
@@ -244,10 +256,43 @@ def test_parquet_data_with_kl_tis_and_rloo(tmp_path):
     assert "filtered 1 prompts" in log
     steps = [r for r in recs if "reward/mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    for key in ("actor/kl_loss", "actor/kl_coef", "critic/kl", "critic/kl_coeff", "actor/tis_weight_mean",
+    for key in ("actor/kl_loss", "actor/kl_coef", "critic/kl", "critic/kl_coeff", "rollout_corr/rollout_is_mean",
                 "critic/advantages/mean"):
         assert all(key in r for r in steps), key
     assert steps[0]["critic/kl"] == 0.0  # the policy starts as the reference
     assert steps[1]["critic/kl_coeff"] != steps[0]["critic/kl_coeff"]  # adaptive controller moved
     after = {r["step"]: r for r in recs if "reward/mean" not in r}  # a step's sync and validation come after it
     assert "val/reward" in after[0] and "val/reward" in after[3]
+
+
+def test_critic_free_options_wire_through(tmp_path):
+    """GSPO with clip-higher and Dr.GRPO (no std, seq-mean-token-sum-norm), sequence-level TIS with
+    geometric-mean rejection, the overlong penalty and dynamic sampling in two steps of the tiny
+    embedded run: every option's metrics every step, the shaped reward in the advantages, each
+    step's rollout dumped."""
+    recs, _ = _train(str(tmp_path / "run"), "configs/tiny_ppo_cpu.yaml", "critic.enabled=false",
+                     "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false", "rollout.n=8",
+                     "data.train_batch_size=4", "data.gen_batch_size=8", "actor.ppo_mini_batch_size=2",
+                     "actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-sum-norm",
+                     "actor.clip_ratio_high=0.28", "algorithm.rollout_correction.rollout_is=sequence",
+                     "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+                     "algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001",
+                     "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=1",
+                     "reward.overlong_buffer.penalty_factor=0.5", "algorithm.filter_groups.enable=true",
+                     "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+                     "trainer.save_freq=-1", f"trainer.rollout_dump_dir={tmp_path / 'dump'}")
+    steps = [r for r in recs if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert sorted(os.listdir(tmp_path / "dump")) == ["step_1.pt", "step_2.pt"]
+    dumped = torch.load(tmp_path / "dump" / "step_2.pt", weights_only=True)
+    # dynamic sampling filled exactly the batch: 4 prompts x 8 samples, each group's rewards unequal
+    assert dumped["batch"]["rollout_log_probs"].shape[0] == len(dumped["index"]) == 32
+    assert (dumped["reward"].reshape(4, 8).amax(1) > dumped["reward"].reshape(4, 8).amin(1)).all()
+    for r in steps:
+        for key in ("rollout_corr/rollout_rs_masked_fraction", "train/kept_group_fraction", "actor/pg_clipfrac"):
+            assert key in r, key
+        # the embedded engine samples with the trainer's own shards: nothing to correct
+        assert r["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert r["train/num_gen_batches"] >= 1 and r["critic/advantages/max"] > 0  # only groups that vary
+        # the advantages see the score plus the overlong penalty; reward/mean is the score alone
+        assert r["critic/score/mean"] == pytest.approx(r["reward/mean"] + r["reward/overlong_penalty_mean"], abs=1e-6)

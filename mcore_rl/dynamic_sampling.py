@@ -1,0 +1,102 @@
+"""A step's scored rollout batch: one generation round, or DAPO's dynamic sampling
+(algorithm.filter_groups), which drops groups whose rewards are all equal and refills from
+further prompts until data.train_batch_size groups remain.
+
+Refills come from the step's prompts followed by every other prompt in an order seeded by the
+step, so the step's own prompts (and a resumed run) stay as without filtering; a prompt may then
+be seen again in the same epoch as a refill. Each round generates data.gen_batch_size prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_rl import config as C
+from mcore_rl import ppo
+from mcore_rl.algos.dapo import varied_groups
+
+FULL_SEQUENCE_KEYS = ("tokens", "attention_mask")  # [B, P + R]: left-padded prompts, then responses
+
+
+class RefillsExhausted(RuntimeError):
+    """Dynamic sampling ran out of generation rounds or prompts before the batch was full."""
+
+
+def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed: int
+                      ) -> tuple[dict, list[int], torch.Tensor, torch.Tensor, dict]:
+    """(batch, idx, score, reward, metrics): idx repeats each prompt rollout.n times; score is the
+    rule score of each sample, reward the score after reward shaping (what advantages use)."""
+    if cfg.algorithm.filter_groups.enable:
+        batch, idx, score, reward, metrics = _filtered(cfg, engine, source, prompt_idx, seed)
+    else:
+        (batch, idx, score, reward), metrics = _generate(cfg, engine, source, prompt_idx, seed), {}
+    if cfg.reward.overlong_buffer.enable:
+        penalty = reward - score
+        metrics.update({"reward/overlong_penalty_mean": penalty.mean().item(),
+                        "reward/overlong_fraction": (penalty < 0).float().mean().item()})
+    return batch, idx, score, reward, metrics
+
+
+def _filtered(cfg: C.Config, engine, source, prompt_idx: list[int], seed: int):
+    fg, n, want = cfg.algorithm.filter_groups, cfg.rollout.n, len(prompt_idx)
+    size = cfg.data.gen_batch_size or want
+    stream = _refill_order(len(source.prompts), prompt_idx, seed)
+    parts, kept, rounds = [], 0, 0
+    while kept < want:
+        start = rounds * size
+        if start >= len(stream) or 0 < fg.max_num_gen_batches <= rounds:
+            raise RefillsExhausted(
+                f"dynamic sampling: {kept} of {want} prompt groups had unequal {fg.metric}s after {rounds} "
+                f"generation rounds ({min(start, len(stream))} prompts); raise algorithm.filter_groups."
+                "max_num_gen_batches or data.gen_batch_size, or use data the policy neither always passes nor fails")
+        batch, idx, score, reward = _generate(cfg, engine, source, stream[start:start + size], seed + start * n)
+        keep = varied_groups(reward if fg.metric == "reward" else score, n)
+        rows = torch.repeat_interleave(keep, n).nonzero().squeeze(-1)
+        parts.append(({k: v[rows] for k, v in batch.items()}, [idx[i] for i in rows.tolist()], score[rows],
+                      reward[rows]))
+        kept += int(keep.sum())
+        rounds += 1
+    batch = concat_batches([p[0] for p in parts])
+    rows = slice(0, want * n)  # groups beyond the batch are dropped, as verl does
+    metrics = {"train/num_gen_batches": rounds, "train/kept_group_fraction": kept / min(rounds * size, len(stream))}
+    return ({k: v[rows] for k, v in batch.items()}, sum((p[1] for p in parts), [])[rows],
+            torch.cat([p[2] for p in parts])[rows], torch.cat([p[3] for p in parts])[rows], metrics)
+
+
+def _generate(cfg, engine, source, prompts: list[int], seed: int):
+    idx = [i for i in prompts for _ in range(cfg.rollout.n)]
+    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed))
+    score = ppo.scores(source, idx, batch)
+    return batch, idx, score, score + ppo.reward_shaping(cfg, batch)
+
+
+def _refill_order(num_prompts: int, first: list[int], seed: int) -> list[int]:
+    taken = set(first)
+    rest = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed)).tolist()
+    return list(first) + [i for i in rest if i not in taken]
+
+
+def concat_batches(batches: list[dict]) -> dict:
+    """Rollout batches of different prompt and response widths as one: prompts left-padded,
+    responses right-padded to the widest."""
+    widths = [(b["tokens"].shape[1] - b["response_mask"].shape[1], b["response_mask"].shape[1]) for b in batches]
+    P, R = max(p for p, _ in widths), max(r for _, r in widths)
+    out = {}
+    for key in batches[0]:
+        padded = []
+        for b, (p, r) in zip(batches, widths):
+            v = b[key]
+            if key in FULL_SEQUENCE_KEYS:
+                v = torch.cat([_pad(v[:, :p], P, left=True), _pad(v[:, p:], R, left=False)], 1)
+            elif v.dim() >= 2 and v.shape[1] == r:  # response-aligned
+                v = _pad(v, R, left=False)
+            else:
+                raise ValueError(f"dynamic sampling cannot merge batch key {key!r} of shape {tuple(v.shape)}")
+            padded.append(v)
+        out[key] = torch.cat(padded)
+    return out
+
+
+def _pad(v: torch.Tensor, width: int, left: bool) -> torch.Tensor:
+    pad = v.new_zeros((v.shape[0], width - v.shape[1], *v.shape[2:]))
+    return torch.cat([pad, v] if left else [v, pad], 1)
