@@ -25,6 +25,7 @@ from typing import Any, Callable, Literal, Union
 import yaml
 
 from mcore_rl.cli_errors import BAD_INPUT, BadInput, hf_config, read_yaml_mapping, report
+from mcore_rl.model_checks import hf_config_problems
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -69,6 +70,10 @@ class ClusterConfig:
     # RAM of each node, for the host memory plan (mcore_rl.memory.host); null: this machine's
     # MemTotal where its GPUs are visible (planning on a node), else the host plan is not checked
     host_memory_gb: float | None = None
+    # how long to wait for Ray to place the trainer's and engines' bundles; past it the run stops
+    # naming what it asked for and what the cluster has (a GPU config on a machine without them
+    # would otherwise wait forever)
+    placement_timeout_s: float = 120.0
 
 
 @dataclass
@@ -493,6 +498,8 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     need(mem.reserved_gb >= 0, f"memory.reserved_gb must be >= 0, got {mem.reserved_gb}")
     need(cfg.cluster.host_memory_gb is None or cfg.cluster.host_memory_gb > 0,
          f"cluster.host_memory_gb must be > 0 or null, got {cfg.cluster.host_memory_gb}")
+    need(cfg.cluster.placement_timeout_s > 0,
+         f"cluster.placement_timeout_s must be > 0, got {cfg.cluster.placement_timeout_s}")
     for name in ("host_trainer_process_gb", "host_engine_process_gb"):
         value = getattr(mem, name)
         need(value is None or value >= 0, f"memory.{name} must be >= 0 or null, got {value}")
@@ -598,9 +605,15 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
         _check_embedded_shapes(m, errors)
     if hf is None:
         return
+    # a config.json names every size; an embedded hf_config may leave some to transformers' defaults
+    on_disk = m.hf_config is None and m.hf_path is not None
+    where = os.path.join(m.hf_path, "config.json") if on_disk else "model.hf_config"
+    problems = hf_config_problems(hf, complete=on_disk)
     missing = [k for k in ("num_attention_heads", "num_hidden_layers") if k not in hf]
-    if missing:
-        errors.append(f"model: the HF config lacks {', '.join(missing)}")
+    if missing and not problems:
+        problems = [f"lacks {', '.join(missing)}"]
+    if problems:
+        errors.extend(f"{where}: {p}" for p in problems)
         return
     heads, layers, experts = hf["num_attention_heads"], hf["num_hidden_layers"], _num_experts(hf)
     if heads % p.tp:
@@ -699,6 +712,8 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     """
     errors: list[str] = []
     _check_ranges(cfg, errors)
+    if errors:  # the cross checks below divide by sizes that must first be >= 1
+        raise ConfigError(errors)
     _check_layout(cfg, errors, available_gpus)
     hf = model_info(cfg.model) if callable(model_info) else model_info
     hf = hf if hf is not None else hf_model_dims(cfg.model)
