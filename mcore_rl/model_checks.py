@@ -29,6 +29,7 @@ READ_KEYS = {
     "norm_topk_prob", "scoring_func", "routed_scaling_factor", "quantization_config", "dtype", "torch_dtype",
     "num_nextn_predict_layers",  # MTP layers: skipped with a message by the converter
     "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",  # checked below
+    "qk_head_dim", "rope_interleave",  # checked below: what the builder assumes
 }
 # keys that do not change the model's function (metadata, inference-time or training-loss settings)
 INERT_KEYS = {
@@ -65,6 +66,12 @@ def hf_config_problems(cfg: dict, *, complete: bool) -> list[str]:
     experts, k = cfg.get("n_routed_experts"), cfg.get("num_experts_per_tok")
     if experts and k and k > experts:
         problems.append(f"num_experts_per_tok = {k} exceeds n_routed_experts = {experts}")
+    if mla and cfg.get("qk_head_dim") is not None and None not in (nope := cfg.get("qk_nope_head_dim"),
+                                                                   rope := cfg.get("qk_rope_head_dim")) \
+            and cfg["qk_head_dim"] != nope + rope:
+        problems.append(f"qk_head_dim = {cfg['qk_head_dim']} is not qk_nope_head_dim + qk_rope_head_dim = {nope + rope}")
+    if mla and cfg.get("rope_interleave") is False:
+        problems.append("rope_interleave: false is not supported (MLA's rotary dims are interleaved, as DeepSeek's)")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act {act!r} is not supported (the model is built with SwiGLU: silu)")

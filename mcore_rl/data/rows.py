@@ -81,7 +81,7 @@ def read_file_rows(path: str, prompt_key: str = "prompt") -> list[dict]:
     except (pa.ArrowException, ValueError) as e:
         hint = " (data files are verl-format parquet; convert JSON records to it first)" \
             if path.endswith((".json", ".jsonl")) else ""
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        first = (str(e).splitlines() or [type(e).__name__])[0].split("': ", 1)[-1]  # drop arrow's path echo
         raise BadInput(f"{path}: not a parquet file: {first}{hint}") from None
     missing = [k for k in _columns(prompt_key) if k not in table.column_names]
     if missing:
