@@ -41,12 +41,18 @@ INERT_KEYS = {
 }
 
 
+def unknown_type(model_type) -> str | None:
+    if model_type in SUPPORTED:
+        return None
+    return f"unknown model_type {model_type!r}: supported are {', '.join(SUPPORTED)}"
+
+
 def hf_config_problems(cfg: dict, *, complete: bool) -> list[str]:
     """Problems of an HF config for this project; complete: a config.json, which must name every
     size the model is built from (an embedded one may rely on transformers' defaults)."""
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED:
-        return [f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED)})"]
+    if unknown_type(model_type):
+        return [unknown_type(model_type)]
     mla, moe = model_type in MLA, bool(cfg.get("n_routed_experts"))
     needed = [*COMMON_KEYS, *(MLA_KEYS if mla else ()), *(MOE_KEYS if moe else ())]
     absent = [k for k in needed if cfg.get(k) is None]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.cli_errors import BadInput, hf_config
-from mcore_rl.model_checks import SUPPORTED, hf_config_problems
+from mcore_rl.model_checks import hf_config_problems, unknown_type
 
 
 class UnsupportedModelError(BadInput):
@@ -40,9 +40,8 @@ class HFModel:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "HFModel":
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED:
-            raise UnsupportedModelError(
-                f"unknown model_type {model_type!r}: supported are {', '.join(SUPPORTED)}")
+        if unknown_type(model_type):
+            raise UnsupportedModelError(unknown_type(model_type))
         return cls(model_type, dict(cfg))
 
     def __getattr__(self, item):
