@@ -597,14 +597,15 @@ def _check_embedded_shapes(m: ModelConfig, errors: list[str]) -> None:
         errors.append(f"model.hf_config disagrees with {path} on " + ", ".join(differ))
 
 
-def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
+def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> bool:
+    """Appends the model's problems; returns whether its HF config is sound enough to divide by."""
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
     if m.hf_path is None and m.hf_config is None:
         errors.append("model: set model.hf_path (a checkpoint) or model.hf_config (a random model), or both")
     elif m.hf_path is not None and m.hf_config is not None:
         _check_embedded_shapes(m, errors)
     if hf is None:
-        return
+        return False
     # a config.json names every size; an embedded hf_config may leave some to transformers' defaults
     on_disk = m.hf_config is None and m.hf_path is not None
     where = os.path.join(m.hf_path, "config.json") if on_disk else "model.hf_config"
@@ -614,7 +615,7 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
         problems = [f"lacks {', '.join(missing)}"]
     if problems:
         errors.extend(f"{where}: {p}" for p in problems)
-        return
+        return False
     heads, layers, experts = hf["num_attention_heads"], hf["num_hidden_layers"], _num_experts(hf)
     if heads % p.tp:
         errors.append(f"parallel.tp = {p.tp} must divide the model's num_attention_heads = {heads}")
@@ -640,6 +641,7 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
                           f"(experts split like the dense layers) or ep > 1")
     elif p.ep > 1:
         errors.append(f"parallel.ep = {p.ep} but the model has no routed experts")
+    return True
 
 
 # head sizes vLLM's CPU attention has kernels for (0.32: csrc/cpu attention dispatch)
@@ -717,9 +719,9 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     _check_layout(cfg, errors, available_gpus)
     hf = model_info(cfg.model) if callable(model_info) else model_info
     hf = hf if hf is not None else hf_model_dims(cfg.model)
-    _check_model(cfg, errors, hf)
+    sound = _check_model(cfg, errors, hf)
     if cfg.rollout.engine == "vllm":
-        _check_vllm(cfg, errors, hf)
+        _check_vllm(cfg, errors, hf if sound else None)
     _check_algorithm(cfg, errors)
     if errors:
         raise ConfigError(errors)

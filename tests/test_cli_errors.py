@@ -90,6 +90,9 @@ CASES = [
     # the model config against what the builder, converters and engines take
     Case("num_attention_heads 0", CONFIG, ("model.hf_config.num_attention_heads=0", "memory.gpu_memory_gb=80"),
          "invalid config: model.hf_config: num_attention_heads must be an integer >= 1, got 0"),
+    Case("num_attention_heads 0, vLLM on CPU", CONFIG[:3], ("model.hf_config.num_attention_heads=0",
+                                                          "rollout.engine=vllm"),
+         "invalid config: model.hf_config: num_attention_heads must be an integer >= 1, got 0"),
     Case("unsupported model_type", CONFIG, ("model.hf_config.model_type=gpt_neox", "memory.gpu_memory_gb=80"),
          "model.hf_config: unknown model_type 'gpt_neox': supported are deepseek_v3"),
     Case("unsupported model_type on disk", CONFIG,
