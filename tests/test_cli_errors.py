@@ -132,6 +132,8 @@ CASES = [
          "{d}/no_hidden_size/config.json: lacks hidden_size"),
     Case("truncated .distcp", ("convert",), ("mcore-to-hf", "--ckpt", "{d}/truncated_ckpt"),
          "{d}/truncated_ckpt/__0_0.distcp: truncated:"),
+    Case("missing .distcp", ("convert",), ("mcore-to-hf", "--ckpt", "{d}/shardless_ckpt"),
+         "{d}/shardless_ckpt/__0_0.distcp: missing (the checkpoint's .metadata lists it)"),
     Case("merge dir missing", ("convert",), ("merge", "--backend", "megatron", "--local-dir", "{d}/nope"),
          "not a directory"),
     Case("merge manifest not json", ("convert",), ("merge", "--backend", "fsdp", "--manifest", "{d}/manifest.json"),
@@ -188,13 +190,17 @@ def _write_fixtures(d) -> None:
     hf_dir("no_vocab", "qwen2", vocab_size=None)
 
 
-def _truncated_checkpoint(d) -> None:
-    """A real torch_dist checkpoint of a tiny Llama, its data file cut in half."""
+def _broken_checkpoints(d) -> None:
+    """Real torch_dist checkpoints of a tiny Llama: one with its data file cut in half, one without it."""
+    import shutil
+
     from converters.convert import hf_to_mcore
     from tests.tiny_models import make_hf_model
 
     make_hf_model("llama", str(d / "llama_hf"))
     hf_to_mcore(str(d / "llama_hf"), str(d / "truncated_ckpt"))
+    shutil.copytree(d / "truncated_ckpt", d / "shardless_ckpt")
+    os.remove(d / "shardless_ckpt" / "__0_0.distcp")
     shard = d / "truncated_ckpt" / "__0_0.distcp"
     os.truncate(shard, shard.stat().st_size // 2)
 
@@ -232,8 +238,8 @@ def _listing(path: str):
 @pytest.mark.parametrize("entry,case", [(e, c) for c in CASES for e in c.entries],
                          ids=[f"{e}: {c.name}" for c in CASES for e in c.entries])
 def test_bad_input_is_one_line_and_exit_2(entry, case, fixtures, capsys, monkeypatch):
-    if case.name == "truncated .distcp" and not (fixtures / "truncated_ckpt").exists():
-        _truncated_checkpoint(fixtures)
+    if ".distcp" in case.name and not (fixtures / "truncated_ckpt").exists():
+        _broken_checkpoints(fixtures)
     monkeypatch.setenv("MCORE_RL_NO_PROGRESS", "1")
     d, out = str(fixtures), str(fixtures / "out")
     args = [a.replace("{d}", d) for a in case.args]
@@ -271,6 +277,19 @@ def test_unread_hf_config_keys_are_named_in_a_warning(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: model.hf_config: key(s) attn_logit_softcapping are not read by mcore_rl" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_shipped_configs_raise_no_model_warning():
+    """The checks refuse what the model builder cannot take, and nothing the shipped configs say."""
+    import glob
+
+    from mcore_rl.config import load_config
+    from mcore_rl.model_checks import hf_config_problems, unread_keys
+
+    for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
+        hf = load_config(path).model.hf_config
+        if hf is not None:
+            assert hf_config_problems(hf, complete=False) == [] and unread_keys(hf) == [], path
 
 
 def _user_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
