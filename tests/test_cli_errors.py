@@ -198,8 +198,9 @@ def _broken_checkpoints(d) -> None:
     from tests.tiny_models import make_hf_model
 
     make_hf_model("llama", str(d / "llama_hf"))
-    hf_to_mcore(str(d / "llama_hf"), str(d / "truncated_ckpt"))
-    shutil.copytree(d / "truncated_ckpt", d / "shardless_ckpt")
+    hf_to_mcore(str(d / "llama_hf"), str(d / "llama_ckpt"))
+    shutil.copytree(d / "llama_ckpt", d / "truncated_ckpt")
+    shutil.copytree(d / "llama_ckpt", d / "shardless_ckpt")
     os.remove(d / "shardless_ckpt" / "__0_0.distcp")
     shard = d / "truncated_ckpt" / "__0_0.distcp"
     os.truncate(shard, shard.stat().st_size // 2)
@@ -277,6 +278,26 @@ def test_unread_hf_config_keys_are_named_in_a_warning(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: model.hf_config: key(s) attn_logit_softcapping are not read by mcore_rl" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_unread_checkpoint_tensors_are_named_in_a_warning(fixtures, tmp_path, caplog):
+    """A checkpoint tensor no mapping rule reads is named, not dropped without a word."""
+    import pickle
+    import shutil
+
+    from converters.convert import mcore_to_hf
+
+    if not (fixtures / "llama_ckpt").exists():
+        _broken_checkpoints(fixtures)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixtures / "llama_ckpt", ckpt)
+    meta = pickle.loads((ckpt / ".metadata").read_bytes())
+    some = next(iter(meta.state_dict_metadata.values()))
+    meta.state_dict_metadata["decoder.layers.0.mystery.weight"] = some
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    mcore_to_hf(str(ckpt), str(tmp_path / "hf"))
+    assert "1 checkpoint tensor(s) with no mapping rule are not exported: decoder.layers.0.mystery.weight" \
+        in caplog.text
 
 
 def test_shipped_configs_raise_no_model_warning():
