@@ -74,7 +74,9 @@ def return_freed_memory() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     return_freed_memory()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # our own progress at INFO; megatron's import-time INFO chatter would bury a refusal's one line
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("converters").setLevel(logging.INFO)
     from converters import convert
 
     t0 = time.perf_counter()

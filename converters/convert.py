@@ -17,6 +17,7 @@ from converters.hf_io import CheckpointError, HFCheckpoint, atomic_dir, copy_sid
 from converters.mappings import mapping_for
 from converters.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, write_torch_dist
 from converters.planned_writer import Planned, PlannedWriter
+from mcore_rl.model_checks import unread_keys_warning
 from mcore_rl.models.config import HFModel, validate_layout
 
 log = logging.getLogger("converters")
@@ -54,7 +55,7 @@ def plan_hf_import(hf: HFModel, ckpt: HFCheckpoint) -> list:
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
                 dtype: str | None = None) -> str:
     """dtype: cast every parameter to it; None keeps each tensor's own dtype (bit-exact round trips)."""
-    hf = HFModel.from_dir(hf_dir)
+    hf = _checked_model(hf_dir)
     validate_layout(hf, tp, pp, ep, etp)
     qcfg = hf.get("quantization_config") or {}
     ckpt = HFCheckpoint(hf_dir, block_size=tuple(qcfg.get("weight_block_size", (128, 128))))
@@ -76,6 +77,16 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, et
         _write_config(hf, os.path.join(tmp, HF_DIR), cast)
     ckpt.close()
     return out
+
+
+def _checked_model(model_dir: str) -> HFModel:
+    """The model of a config.json given to a converter: one the builder cannot take is refused
+    naming the file, and keys nothing reads are named in a warning."""
+    hf = HFModel.checked_dir(model_dir)
+    line = unread_keys_warning(hf.cfg, os.path.join(model_dir, "config.json"))
+    if line:
+        log.warning(line.removeprefix("warning: "))
+    return hf
 
 
 def checkpoint_dtype(hf: HFModel, ckpt: HFCheckpoint, params: list) -> torch.dtype:
@@ -110,7 +121,7 @@ def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: st
     side = hf_config or os.path.join(ckpt_dir, HF_DIR)
     if not os.path.exists(os.path.join(side, "config.json")):
         raise CheckpointError(f"no HF config.json in {side}; pass --hf-config DIR")
-    hf = HFModel.from_dir(side)
+    hf = _checked_model(side)
     reader = TorchDistReader(ckpt_dir, hf, files)
     cast = DTYPES[dtype] if dtype else None
 

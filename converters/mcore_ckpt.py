@@ -8,6 +8,7 @@ lazily, through the DCP save planner, so peak memory is a few tensors, not the m
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -16,9 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from converters.hf_io import CheckpointError
 from converters.mappings import Param, mapping_for
 from mcore_rl.models.config import HFModel
 
+log = logging.getLogger("converters")
 MCORE_RL_META = "mcore_rl.json"
 HF_DIR = "hf"  # config and tokenizer files travel with the checkpoint
 
@@ -164,10 +167,16 @@ class TorchDistReader:
         if files:
             self.reader.fs = _SpreadFileSystem(files)
         self.metadata = self.reader.read_metadata()
+        check_data_files(ckpt, self.metadata, files)
         # DCP's load() re-reads .metadata on every call; parse it once
         self.reader.read_metadata = lambda *a, **kw: self.metadata
         _, self.entries = skeleton(hf)
         stored = self.metadata.state_dict_metadata
+        read = {k for e in self.entries.values() for k in e.keys}
+        unread = sorted(k for k, md in stored.items() if k not in read and hasattr(md, "size"))
+        if unread:  # never dropped without a word
+            log.warning("%s: %d checkpoint tensor(s) with no mapping rule are not exported: %s",
+                        ckpt, len(unread), ", ".join(unread[:5]) + (", ..." if len(unread) > 5 else ""))
         for e in self.entries.values():
             for k, shape in zip(e.keys, e.shapes):
                 if k not in stored:
@@ -214,6 +223,21 @@ class TorchDistReader:
     def _ordered(self) -> list:
         order = {p.mcore: i for i, p in enumerate(mapping_for(self.hf).params(self.hf))}
         return sorted(self.entries.values(), key=lambda e: order[e.param.mcore])
+
+
+def check_data_files(ckpt: str, metadata, files: dict[str, str] | None = None) -> None:
+    """Every data file the metadata points into is there and long enough: a missing or truncated
+    .distcp is named before anything is read (DCP would fail mid-export with a bare EOFError)."""
+    need: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        path = os.path.join((files or {}).get(name, ckpt), name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing (the checkpoint's .metadata lists it)")
+        have = os.path.getsize(path)
+        if have < size:
+            raise CheckpointError(f"{path}: truncated: {have} bytes, the checkpoint's .metadata needs {size}")
 
 
 def _merged(entry, parts: list[torch.Tensor]) -> torch.Tensor:

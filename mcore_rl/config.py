@@ -25,6 +25,7 @@ from typing import Any, Callable, Literal, Union
 import yaml
 
 from mcore_rl.cli_errors import BAD_INPUT, BadInput, hf_config, read_yaml_mapping, report
+from mcore_rl.model_checks import hf_config_problems
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -69,6 +70,10 @@ class ClusterConfig:
     # RAM of each node, for the host memory plan (mcore_rl.memory.host); null: this machine's
     # MemTotal where its GPUs are visible (planning on a node), else the host plan is not checked
     host_memory_gb: float | None = None
+    # how long to wait for Ray to place the trainer's and engines' bundles; past it the run stops
+    # naming what it asked for and what the cluster has (a GPU config on a machine without them
+    # would otherwise wait forever)
+    placement_timeout_s: float = 120.0
 
 
 @dataclass
@@ -549,6 +554,8 @@ def _check_ranges(cfg: Config, errors: list[str]) -> None:
     need(mem.reserved_gb >= 0, f"memory.reserved_gb must be >= 0, got {mem.reserved_gb}")
     need(cfg.cluster.host_memory_gb is None or cfg.cluster.host_memory_gb > 0,
          f"cluster.host_memory_gb must be > 0 or null, got {cfg.cluster.host_memory_gb}")
+    need(cfg.cluster.placement_timeout_s > 0,
+         f"cluster.placement_timeout_s must be > 0, got {cfg.cluster.placement_timeout_s}")
     for name in ("host_trainer_process_gb", "host_engine_process_gb"):
         value = getattr(mem, name)
         need(value is None or value >= 0, f"memory.{name} must be >= 0 or null, got {value}")
@@ -646,18 +653,25 @@ def _check_embedded_shapes(m: ModelConfig, errors: list[str]) -> None:
         errors.append(f"model.hf_config disagrees with {path} on " + ", ".join(differ))
 
 
-def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
+def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> bool:
+    """Appends the model's problems; returns whether its HF config is sound enough to divide by."""
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
     if m.hf_path is None and m.hf_config is None:
         errors.append("model: set model.hf_path (a checkpoint) or model.hf_config (a random model), or both")
     elif m.hf_path is not None and m.hf_config is not None:
         _check_embedded_shapes(m, errors)
     if hf is None:
-        return
+        return False
+    # a config.json names every size; an embedded hf_config may leave some to transformers' defaults
+    on_disk = m.hf_config is None and m.hf_path is not None
+    where = os.path.join(m.hf_path, "config.json") if on_disk else "model.hf_config"
+    problems = hf_config_problems(hf, complete=on_disk)
     missing = [k for k in ("num_attention_heads", "num_hidden_layers") if k not in hf]
-    if missing:
-        errors.append(f"model: the HF config lacks {', '.join(missing)}")
-        return
+    if missing and not problems:
+        problems = [f"lacks {', '.join(missing)}"]
+    if problems:
+        errors.extend(f"{where}: {p}" for p in problems)
+        return False
     heads, layers, experts = hf["num_attention_heads"], hf["num_hidden_layers"], _num_experts(hf)
     if heads % p.tp:
         errors.append(f"parallel.tp = {p.tp} must divide the model's num_attention_heads = {heads}")
@@ -683,6 +697,7 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> None:
                           f"(experts split like the dense layers) or ep > 1")
     elif p.ep > 1:
         errors.append(f"parallel.ep = {p.ep} but the model has no routed experts")
+    return True
 
 
 # head sizes vLLM's CPU attention has kernels for (0.32: csrc/cpu attention dispatch)
@@ -780,12 +795,14 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     """
     errors: list[str] = []
     _check_ranges(cfg, errors)
+    if errors:  # the cross checks below divide by sizes that must first be >= 1
+        raise ConfigError(errors)
     _check_layout(cfg, errors, available_gpus)
     hf = model_info(cfg.model) if callable(model_info) else model_info
     hf = hf if hf is not None else hf_model_dims(cfg.model)
-    _check_model(cfg, errors, hf)
+    sound = _check_model(cfg, errors, hf)
     if cfg.rollout.engine == "vllm":
-        _check_vllm(cfg, errors, hf)
+        _check_vllm(cfg, errors, hf if sound else None)
     _check_algorithm(cfg, errors)
     _check_corrections(cfg, errors)
     if errors:

@@ -39,20 +39,27 @@ def prepare_model(cfg: C.Config, run_dir: str) -> str:
     return hf_dir
 
 
+def trainer_placement(cfg: C.Config):
+    """The trainer ranks' placement group (one GPU, or one CPU process, per rank), within
+    cluster.placement_timeout_s."""
+    from mcore_rl.placement_deadline import reserve
+
+    n = C.actor_gpus(cfg)
+    bundle = {"CPU": 1} if cfg.cluster.device == "cpu" else {"GPU": 1, "CPU": 1}
+    return reserve([bundle] * n, f"the {n} trainer rank(s)", cfg.cluster.placement_timeout_s)
+
+
 class ActorGroup:
     """N Megatron actors on a Ray placement group; calls fan out and the results are gathered."""
 
-    def __init__(self, cfg: C.Config, hf_dir: str, init: dict | None = None):
+    def __init__(self, cfg: C.Config, hf_dir: str, init: dict | None = None, pg=None):
         import ray
-        from ray.util.placement_group import placement_group
 
         from mcore_rl.actor import MegatronActor
 
         n = C.actor_gpus(cfg)
         cpu = cfg.cluster.device == "cpu"
-        bundle = {"CPU": 1} if cpu else {"GPU": 1, "CPU": 1}
-        self.pg = placement_group([bundle] * n, strategy="PACK")
-        ray.get(self.pg.ready())
+        self.pg = pg if pg is not None else trainer_placement(cfg)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         on = lambda i: PlacementGroupSchedulingStrategy(placement_group=self.pg,  # noqa: E731
@@ -230,31 +237,35 @@ def memory_plan(cfg: C.Config):
     return plan
 
 
-def train(cfg: C.Config, replay: str | None = None) -> dict:
-    """The RL loop; replay: a rollout_dump_dir to train on instead of sampling (no engine, no
-    prompts, no validation)."""
+def _start_ray(cfg: C.Config) -> None:
     import ray
 
-    from mcore_rl.data.prompts import load_prompt_sources
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
+        ray.init(log_to_driver=True)
+    else:  # a local run: a private Ray on loopback ("local": never the cluster of a stale address file)
+        ray.init(address="local", num_cpus=max(2, cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node),
+                 include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
+
+
+def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
+    """The RL loop. inputs: preflight.check_inputs(cfg), where the caller has made it; replay: a
+    rollout_dump_dir to train on instead of sampling (no engine, no prompts, no validation)."""
+    from mcore_rl.preflight import check_inputs
 
     t = cfg.trainer
+    inputs = inputs if inputs is not None else check_inputs(cfg, replay=bool(replay))
+    train_task, val_task = inputs.train, inputs.val
     run_dir = os.path.abspath(t.output_dir)
     ckpt_root = os.path.join(run_dir, "checkpoints")
-    if t.resume == "disable" and (run_ckpt.steps(ckpt_root) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
-        raise run_ckpt.CheckpointError(f"{run_dir}: trainer.output_dir already holds a run; resume it "
-                                       "(trainer.resume=auto) or choose a new trainer.output_dir")
+    plan = memory_plan(cfg)
+    _start_ray(cfg)
+    pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
     os.makedirs(run_dir, exist_ok=True)
     hf_dir = prepare_model(cfg, run_dir)
-    plan = memory_plan(cfg)
-    train_task, val_task = (None, None) if replay else load_prompt_sources(cfg)
     init = initial_checkpoints(cfg, hf_dir, run_dir)
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
-            ray.init(log_to_driver=True)
-        else:  # a local run: a private Ray on loopback ("local": never the cluster of a stale address file)
-            ray.init(address="local", num_cpus=max(2, cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node),
-                     include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
-    group = ActorGroup(cfg, hf_dir, init)
+    group = ActorGroup(cfg, hf_dir, init, pg)
     ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)
     engine = sync = phases = None
     try:
@@ -426,12 +437,17 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.compat import quiet_fallback_warnings
 
     quiet_fallback_warnings()  # the driver imports megatron too (plans, sync layout)
+    from mcore_rl.placement_deadline import PlacementTimeout
+    from mcore_rl.preflight import check_inputs
+
     try:
         cfg = C.load_config(a.config, a.overrides)
-        if a.dry_run:  # plans for the cluster it names: its model files need not be on this machine
+        # the same checks for both; a dry run plans for the cluster it names: its model files
+        # need not be on this machine
+        inputs = check_inputs(cfg, dry_run=a.dry_run, replay=bool(a.replay))
+        if a.dry_run:
             print("\n".join(dry_run(cfg)))
             return 0
-        C.require_model_dirs(cfg)
     except BAD_INPUT as e:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
@@ -441,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        m = train(cfg, replay=a.replay)
-    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError) as e:
+        m = train(cfg, inputs, replay=a.replay)
+    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError, PlacementTimeout) as e:
         return report(e)
     except PlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:

@@ -108,8 +108,9 @@ def test_model_dimension_checks_from_dict_callable_or_hf_path(tmp_path):
                     model_info=lambda m: seen.append(m.hf_config["model_type"]) or MOE)
     assert seen == ["qwen3"] and "parallel.pp = 8 exceeds the model's num_hidden_layers = 4" in msg
     # from hf_path/config.json; kv heads checked for GQA models
-    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2,
-                                                      "num_hidden_layers": 2}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 32,
+                                                      "intermediate_size": 128, "num_attention_heads": 8,
+                                                      "num_key_value_heads": 2, "num_hidden_layers": 2}))
     msg = errors_of(gpu_overrides(8, **{"parallel.tp": 4, "model.hf_config": "null",
                                         "model.hf_path": str(tmp_path)}))
     assert "num_key_value_heads = 2" in msg and "num_attention_heads" not in msg

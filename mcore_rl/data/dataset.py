@@ -7,14 +7,19 @@ from typing import Iterator, Literal, Sequence
 
 import torch
 
-from mcore_rl.data.rows import check_row, read_rows
+from mcore_rl.cli_errors import BadInput
+from mcore_rl.data.rows import check_row, read_file_rows
 from mcore_rl.data.tokenizers import ByteTokenizer, CharTokenizer
 
 Truncation = Literal["error", "left", "right"]
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(BadInput):
     pass
+
+
+class UnencodablePrompt(BadInput):
+    """A prompt the tokenizer cannot encode (a character outside a small alphabet)."""
 
 
 def render_plain(messages, add_generation_prompt: bool = True) -> str:
@@ -55,19 +60,25 @@ class PromptDataset:
                  max_prompt_length: int = 512, filter_overlong_prompts: bool = True,
                  truncation: Truncation = "error"):
         is_rows = isinstance(source, list) and all(isinstance(r, dict) for r in source)
-        rows = source if is_rows else read_rows(source)
+        paths = [source] if isinstance(source, str) else source
+        # errors name the row as "row I" among given rows, "FILE: row I" (I within FILE) among files
+        parts = [("row", source)] if is_rows else [(f"{p}: row", read_file_rows(p, prompt_key)) for p in paths]
         self.tokenizer = tokenizer or ByteTokenizer()
         self.prompt_key, self.max_prompt_length = prompt_key, max_prompt_length
         self.items: list[dict] = []
         self.num_filtered = 0
-        for index, row in enumerate(rows):
-            check_row(row, f"row {index}", prompt_key)
-            ids = encode_prompt(row[prompt_key], self.tokenizer)
+        rows = [(f"{label} {i}", row) for label, part in parts for i, row in enumerate(part)]
+        for index, (where, row) in enumerate(rows):
+            check_row(row, where, prompt_key)
+            try:
+                ids = encode_prompt(row[prompt_key], self.tokenizer)
+            except ValueError as e:
+                raise UnencodablePrompt(f"{where}: the tokenizer cannot encode the prompt: {e}") from None
             if filter_overlong_prompts and len(ids) > max_prompt_length:
                 self.num_filtered += 1
                 continue
             self.items.append({
-                "input_ids": truncate(ids, max_prompt_length, truncation, f"row {index}"),
+                "input_ids": truncate(ids, max_prompt_length, truncation, where),
                 "raw_prompt": row[prompt_key], "data_source": row["data_source"],
                 "ground_truth": row["reward_model"]["ground_truth"],
                 "extra_info": row.get("extra_info") or {}, "index": index,

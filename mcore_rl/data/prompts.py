@@ -6,7 +6,8 @@ Both expose `prompts` (token ids), `tokenizer` (pad/eos ids) and `rewards(indice
 
 from __future__ import annotations
 
-from mcore_rl.data.dataset import PromptDataset
+from mcore_rl.cli_errors import BadInput
+from mcore_rl.data.dataset import PromptDataset, UnencodablePrompt
 from mcore_rl.data.tasks import TOKENIZER as TASK_TOKENIZER
 from mcore_rl.data.tasks import make_task
 from mcore_rl.data.tokenizers import ByteTokenizer
@@ -42,12 +43,23 @@ def load_tokenizer(model) -> object:
     return TASK_TOKENIZER if vocab < ByteTokenizer.vocab_size else ByteTokenizer()
 
 
+def _tokenizer_hint(tokenizer) -> str:
+    if tokenizer is TASK_TOKENIZER:
+        return (f" (an embedded model with vocab_size < {ByteTokenizer.vocab_size} uses the generated tasks' "
+                f"{tokenizer.vocab_size}-id character tokenizer: set model.hf_config.vocab_size >= "
+                f"{ByteTokenizer.vocab_size} for the byte tokenizer, or model.tokenizer_path)")
+    return ""
+
+
 def _dataset(files, tokenizer, d) -> DatasetPrompts:
-    ds = PromptDataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                       filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
-    if len(ds) == 0:
-        raise ValueError(f"{files}: no prompts left ({ds.num_filtered} longer than data.max_prompt_length = "
-                         f"{d.max_prompt_length} were filtered out)")
+    try:
+        ds = PromptDataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                           filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
+    except UnencodablePrompt as e:
+        raise UnencodablePrompt(f"{e}{_tokenizer_hint(tokenizer)}") from None
+    if len(ds) == 0:  # every file has rows (read_file_rows): all were longer than allowed
+        raise BadInput(f"{', '.join(files)}: no prompts left: all {ds.num_filtered} are longer than "
+                       f"data.max_prompt_length = {d.max_prompt_length} tokens")
     if ds.num_filtered:
         print(f"{files}: filtered {ds.num_filtered} prompts longer than {d.max_prompt_length} tokens", flush=True)
     return DatasetPrompts(ds)

@@ -16,6 +16,8 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mcore_rl.cli_errors import BadInput
+
 REQUIRED = ("data_source", "prompt", "reward_model")
 
 
@@ -27,17 +29,22 @@ def make_row(data_source: str, prompt: str | list[dict], ground_truth, *, abilit
             "reward_model": {"style": style, "ground_truth": ground_truth}, "extra_info": extra_info or {}}
 
 
+def _columns(prompt_key: str) -> tuple[str, ...]:
+    return (*REQUIRED[:1], prompt_key, *REQUIRED[2:])
+
+
 def check_row(row: dict, where: str = "row", prompt_key: str = "prompt") -> None:
-    missing = [k for k in (*REQUIRED[:1], prompt_key, *REQUIRED[2:]) if k not in row]
+    missing = [k for k in _columns(prompt_key) if k not in row]
     if missing:
-        raise ValueError(f"{where}: missing column(s) {missing}; has {sorted(row)}")
+        raise BadInput(f"{where}: missing column(s) {missing}; has {sorted(row)}")
     messages = row[prompt_key]
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                 for m in messages):
-        raise ValueError(f"{where}: {prompt_key!r} must be a list of {{role, content}} messages, "
-                         f"got {messages!r:.200}")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise BadInput(f"{where}: {prompt_key!r} must be a list of {{role, content}} messages with string "
+                       f"content, got {messages!r:.200}")
     if not isinstance(row["reward_model"], dict) or "ground_truth" not in row["reward_model"]:
-        raise ValueError(f"{where}: reward_model must be a dict with a ground_truth")
+        raise BadInput(f"{where}: reward_model must be a dict with a ground_truth")
 
 
 def write_rows(path: str, rows: Iterable[dict]) -> int:
@@ -52,11 +59,37 @@ def write_rows(path: str, rows: Iterable[dict]) -> int:
     return len(rows)
 
 
-def read_rows(paths: str | Iterable[str]) -> list[dict]:
+def read_rows(paths: str | Iterable[str], prompt_key: str = "prompt") -> list[dict]:
     """Read and concatenate parquet files of rows, in order."""
     rows: list[dict] = []
     for path in [paths] if isinstance(paths, str) else paths:
-        rows.extend(pq.read_table(path).to_pylist())
+        rows.extend(read_file_rows(path, prompt_key))
+    return rows
+
+
+def read_file_rows(path: str, prompt_key: str = "prompt") -> list[dict]:
+    """The rows of one parquet file; a file that is missing, not parquet, empty or lacks a verl
+    column is refused with one line naming it (rows themselves are checked by check_row)."""
+    if os.path.isdir(path):
+        raise BadInput(f"{path}: is a directory, not a parquet file")
+    if not os.path.exists(path):
+        raise BadInput(f"{path}: no such file")
+    try:
+        table = pq.read_table(path)
+    except OSError as e:
+        raise BadInput(f"{path}: cannot be read ({e.strerror or e})") from None
+    except (pa.ArrowException, ValueError) as e:
+        hint = " (data files are verl-format parquet; convert JSON records to it first)" \
+            if path.endswith((".json", ".jsonl")) else ""
+        first = (str(e).splitlines() or [type(e).__name__])[0].split("': ", 1)[-1]  # drop arrow's path echo
+        raise BadInput(f"{path}: not a parquet file: {first}{hint}") from None
+    missing = [k for k in _columns(prompt_key) if k not in table.column_names]
+    if missing:
+        raise BadInput(f"{path}: missing column(s) {missing}; has {table.column_names} "
+                       f"(verl format: {', '.join(_columns(prompt_key))})")
+    if table.num_rows == 0:
+        raise BadInput(f"{path}: no rows")
+    rows = table.to_pylist()
     for row in rows:
         row.setdefault("extra_info", {})
     return rows

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.cli_errors import BadInput, hf_config
-
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3")
+from mcore_rl.model_checks import hf_config_problems, unknown_type
 
 
 class UnsupportedModelError(BadInput):
@@ -29,11 +28,20 @@ class HFModel:
         return cls.from_dict(hf_config(path))
 
     @classmethod
+    def checked_dir(cls, path: str) -> "HFModel":
+        """from_dir for a model given by the user (the converters): a config.json lacking a size,
+        or one the builder cannot take, is refused with one line naming the file."""
+        cfg = hf_config(path)
+        problems = hf_config_problems(cfg, complete=True)
+        if problems:
+            raise UnsupportedModelError(f"{path}/config.json: " + "; ".join(problems))
+        return cls.from_dict(cfg)
+
+    @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "HFModel":
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED:
-            raise UnsupportedModelError(
-                f"unknown model_type {model_type!r}: supported are {', '.join(SUPPORTED)}")
+        if unknown_type(model_type):
+            raise UnsupportedModelError(unknown_type(model_type))
         return cls(model_type, dict(cfg))
 
     def __getattr__(self, item):

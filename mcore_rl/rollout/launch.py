@@ -13,7 +13,6 @@ import os
 
 from mcore_rl import config as C
 from mcore_rl.parallel import rendezvous_on
-from mcore_rl.rollout.base import EngineError
 from mcore_rl.rollout.embedded import EmbeddedRollout
 from mcore_rl.rollout.group import EngineGroup, EngineSlot
 from mcore_rl.rollout.placement import plan_placement
@@ -37,7 +36,7 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
     if placement.colocate:
         slots = _colocated_slots(placement, where, cfg.cluster.device, actors.pg)
     else:
-        slots = own_slots(placement, cfg.cluster.device)
+        slots = own_slots(placement, cfg.cluster.device, cfg.cluster.placement_timeout_s)
     engines = start(cfg, model_dir, slots, layout, ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node,
                     plan)
     try:
@@ -122,22 +121,16 @@ def _colocated_slots(placement, where: list[dict], device: str, pg) -> list[Engi
     return slots
 
 
-def own_slots(placement, device: str) -> list[EngineSlot]:
+def own_slots(placement, device: str, timeout_s: float = 120.0) -> list[EngineSlot]:
     """A placement group per engine, one bundle per engine node; the nodes of one engine on
     distinct machines (STRICT_SPREAD), as SGLang's nnodes means."""
-    import ray
-    from ray.util.placement_group import placement_group
+    from mcore_rl.placement_deadline import reserve
 
     slots = []
     for nodes in placement.engines:
         bundles = [{"CPU": 1} if device == "cpu" else {"GPU": len(n.gpus), "CPU": 1} for n in nodes]
-        pg = placement_group(bundles, strategy="STRICT_SPREAD" if len(nodes) > 1 else "PACK")
-        try:
-            ray.get(pg.ready(), timeout=120)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(pg)
-            raise EngineError(f"Ray could not reserve engine {nodes[0].engine}'s {len(nodes)} node(s) "
-                              f"({bundles[0]} each) within 120 s: too few free GPUs/CPUs or nodes?") from None
+        pg = reserve(bundles, f"rollout engine {nodes[0].engine}'s {len(nodes)} node(s)", timeout_s,
+                     strategy="STRICT_SPREAD" if len(nodes) > 1 else "PACK")
         slots += [EngineSlot(n.engine, n.node_rank, pg, i, None, owns_pg=True) for i, n in enumerate(nodes)]
     return slots
 

@@ -1,0 +1,94 @@
+"""Every input of a run, checked once, up front, before anything is written. The run and
+`--dry-run` both call `check_inputs`, so a dry run refuses whatever the run would refuse.
+
+load_config has checked the keys, types, layout and the model's HF config (mcore_rl.config,
+mcore_rl.model_checks); this adds what needs the file system: the output directory, the model and
+tokenizer directories, the data files (read, checked and tokenized once: the run uses them), and a
+named warning for HF-config keys nothing reads. Each failure is a BadInput: one line naming the
+file or key, exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from mcore_rl import config as C
+from mcore_rl.cli_errors import BadInput
+from mcore_rl.model_checks import unread_keys_warning
+
+
+@dataclass
+class Inputs:
+    """The prompt sources the run samples from; None where a dry run cannot tokenize here (the
+    model's tokenizer lives on the cluster), its data files then checked without tokenizing."""
+
+    train: object | None
+    val: object | None
+
+
+def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: bool = False) -> Inputs:
+    """replay: the run trains on dumped rollouts and reads no prompts."""
+    check_output_dir(cfg.trainer)
+    tokenizer_here = _check_model_files(cfg, dry_run)
+    _warn_unread_hf_keys(cfg.model)
+    return Inputs(None, None) if replay else _prompt_sources(cfg, tokenize=tokenizer_here)
+
+
+def check_output_dir(t: C.TrainerConfig) -> None:
+    """trainer.output_dir is a directory or can be made one, and does not hold a run it may not resume."""
+    path = os.path.abspath(t.output_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise BadInput(f"{t.output_dir}: trainer.output_dir is a file, not a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise BadInput(f"{t.output_dir}: trainer.output_dir lies under {parent}, which is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BadInput(f"{t.output_dir}: trainer.output_dir cannot be written ({parent} is not writable)")
+    if t.resume == "disable" and parent == path:
+        from mcore_rl import run_checkpoints as run_ckpt
+
+        if run_ckpt.steps(os.path.join(path, "checkpoints")) or os.path.exists(os.path.join(path, "metrics.jsonl")):
+            raise run_ckpt.CheckpointError(f"{path}: trainer.output_dir already holds a run; resume it "
+                                           "(trainer.resume=auto) or choose a new trainer.output_dir")
+
+
+def _check_model_files(cfg: C.Config, dry_run: bool) -> bool:
+    """The run reads the model and tokenizer directories, which must be here; a dry run plans for
+    the cluster it names, where they may live. Returns whether the tokenizer can be loaded here."""
+    m = cfg.model
+    tokenizer = m.tokenizer_path or m.hf_path
+    if not dry_run:
+        C.require_model_dirs(cfg)
+        if m.tokenizer_path and not os.path.isdir(m.tokenizer_path):
+            kind = "not a directory" if os.path.exists(m.tokenizer_path) else "no such directory"
+            raise BadInput(f"{m.tokenizer_path}: {kind} (model.tokenizer_path)")
+    return tokenizer is None or os.path.isdir(tokenizer)
+
+
+def _warn_unread_hf_keys(m: C.ModelConfig) -> None:
+    """An HF-config key nothing reads is not dropped without a word (the embedded config, else
+    hf_path's config.json)."""
+    hf = C.hf_model_dims(m)
+    if hf is None:
+        return
+    where = "model.hf_config" if m.hf_config is not None else os.path.join(m.hf_path, "config.json")
+    line = unread_keys_warning(hf, where)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _prompt_sources(cfg: C.Config, tokenize: bool) -> Inputs:
+    from mcore_rl.data.prompts import load_prompt_sources
+    from mcore_rl.data.rows import check_row, read_file_rows
+
+    d = cfg.data
+    if tokenize or not d.train_files:
+        return Inputs(*load_prompt_sources(cfg))
+    for path in [*d.train_files, *d.val_files]:  # a dry run without the tokenizer: the rows only
+        for i, row in enumerate(read_file_rows(path, d.prompt_key)):
+            check_row(row, f"{path}: row {i}", d.prompt_key)
+    return Inputs(None, None)
