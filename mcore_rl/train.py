@@ -20,6 +20,7 @@ import torch
 
 from mcore_rl import config as C
 from mcore_rl import run_checkpoints as run_ckpt
+from mcore_rl.routing import ExpertLayout
 from mcore_rl.run_checkpoints import Checkpointer
 from mcore_rl.parallel import rendezvous_on
 
@@ -150,18 +151,23 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         return out
 
     idx = [i for i in prompt_idx for _ in range(cfg.rollout.n)]
-    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, cfg.trainer.seed * 100003 + step))
+    experts = ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
+    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, cfg.trainer.seed * 100003 + step),
+                        experts)
     times["timing/rollout"] = time.perf_counter() - t0
     score = ppo.scores(source, idx, batch)
     t = time.perf_counter()
     phases.to_train()
     times["timing/to_train"] = time.perf_counter() - t
     batch["old_log_probs"] = torch.cat(timed("old_log_prob", "log_probs", batch))
+    agreement = group.call("route_agreement") if "routes" in batch else []
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
     if cfg.critic.enabled:
         batch["values"] = torch.cat(timed("values", "values", batch))
     metrics = ppo.advantages(cfg, batch, score, idx, kl_ctrl)
+    if agreement and agreement[0] is not None:  # the trainer's top-k sets vs the engine's, old-log-prob pass
+        metrics["rollout/route_agreement"] = agreement[0]
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
         metrics.update(_mean(timed("update_critic", "update_critic", batch)))
     metrics.update(_mean(timed("update_actor", "update", batch)))

@@ -1,0 +1,122 @@
+"""R3, rollout routing replay, against SGLang's real CPU engine: two Megatron ranks (EP=2) and two
+colocated engines of configs/tiny_cpu.yaml with actor.routing_replay=true.
+
+The trainer's expert bias is shifted after the sync, on the trainer only: its own top-k then
+differs from the engine's, while the expert weights (sigmoid scores without the bias) do not. So
+with replay the trainer must take the engine's experts for every (token, layer) and give the
+engine's log-probs; without it, agreement falls below 1 and so does the log-prob match. Both sides
+are read: the engine's routes as it returned them, the trainer's as its routers took them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl import config as C
+from mcore_rl import ppo
+from mcore_rl.routing import ExpertLayout, RouteError, batch_routes
+from mcore_rl.rollout.base import Completion
+from tests.sync_checks import started_run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    with started_run(str(tmp_path_factory.mktemp("r3_run")), ("actor.routing_replay=true",)) as parts:
+        cfg, group, engine, sync, source = parts
+        sync(0)
+        group.call("run", shift_expert_bias)
+        yield parts
+
+
+def shift_expert_bias(actor):
+    """Trainer only: a bias that reorders each token's experts, not their weights."""
+    g = torch.Generator().manual_seed(actor.rank)
+    for m in actor.model.modules():
+        if getattr(m, "expert_bias", None) is not None:
+            m.expert_bias.add_(torch.randn(m.expert_bias.shape, generator=g) * 0.5)
+
+
+def set_replay(actor, on: bool):
+    actor.cfg["actor"]["routing_replay"] = on
+
+
+def old_log_probs(group, batch, replay: bool):
+    """(log-probs, the trainer's routes in the batch's layout, route agreement) of one pass."""
+    group.call("run", set_replay, replay)
+    logp = torch.cat(group.call("log_probs", batch))
+    routes = torch.cat(group.call("run", lambda a: a.trainer_routes))  # each rank's data-parallel slice
+    return logp, routes, group.call("route_agreement")[0]
+
+
+def rollout(cfg, engine, source, seed=3):
+    idx = [i for i in range(8) for _ in range(cfg.rollout.n)]
+    experts = ExpertLayout.of(C.hf_model_dims(cfg.model))
+    return idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed=seed), experts)
+
+
+def test_replayed_routes_are_the_engines_and_so_are_the_log_probs(run):
+    cfg, group, engine, _, source = run
+    _, batch = rollout(cfg, engine, source)
+    engine_routes, mask = batch["routes"], batch["response_mask"].bool()
+    assert (engine_routes >= 0).any(-1).any(-1).sum() > 0
+    logp, trainer_routes, agreement = old_log_probs(group, batch, replay=True)
+    routed = engine_routes[..., 0] >= 0  # every real token but each sample's last
+    real = batch["attention_mask"].bool()[..., None].expand_as(routed)
+    assert ((trainer_routes[..., 0] >= 0) == real).all(), "the trainer did not route exactly the real tokens"
+    same = (trainer_routes.sort(-1).values == engine_routes.sort(-1).values).all(-1)
+    assert same[routed].all() and agreement == 1.0
+    gap = (logp - batch["rollout_log_probs"])[mask].abs()
+    assert gap.max() < 1e-4, gap.max()  # weights come from the live router's dense scores
+
+    logp_off, trainer_off, agreement_off = old_log_probs(group, batch, replay=False)
+    same_off = (trainer_off.sort(-1).values == engine_routes.sort(-1).values).all(-1)[routed]
+    assert 0.0 < agreement_off < 1.0 and agreement_off == pytest.approx(same_off.double().mean().item())
+    assert (logp_off - batch["rollout_log_probs"])[mask].abs().mean() > 10 * gap.mean()
+    print(f"route agreement, trainer expert bias shifted: replay {agreement}, live {agreement_off:.3f}")
+
+
+def test_router_learns_under_replay(run):
+    """Replayed experts, live weights: the update's gradient reaches the router."""
+    cfg, group, engine, _, source = run
+    idx, batch = rollout(cfg, engine, source, seed=4)
+    group.call("run", set_replay, True)
+    batch["old_log_probs"] = torch.cat(group.call("log_probs", batch))
+    ppo.advantages(cfg, batch, torch.rand(len(idx)), idx)
+    before = group.call("run", router_weights)
+    group.call("update", batch)
+    after = group.call("run", router_weights)
+    assert all((a - b).abs().max() > 0 for a, b in zip(after, before))
+
+
+def router_weights(actor) -> torch.Tensor:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return torch.cat([m.weight.detach().flatten().clone() for m in actor.model.modules() if isinstance(m, TopKRouter)])
+
+
+LAYOUT = ExpertLayout(num_experts=4, topk=2, moe_layers=(1,))
+
+
+def completion(routes, tokens=2):
+    return Completion(list(range(tokens)), [0.0] * tokens, routed_experts=routes)
+
+
+@pytest.mark.parametrize("routes, match", [
+    (None, "SGLang returned no routed experts for sample 0"),
+    (torch.zeros(3, 2, 2, dtype=torch.int32), r"shape \(3, 2, 2\) for sample 0: expected \[4 tokens"),
+    (torch.tensor([[[0, 0], [0, 4]]] * 4, dtype=torch.int32), "outside 0..3"),
+    (torch.tensor([[[0, 0], [2, 2]]] * 4, dtype=torch.int32), "to one expert twice"),
+])
+def test_bad_routes_are_one_clear_error(routes, match):
+    with pytest.raises(RouteError, match=match):
+        batch_routes([completion(routes)], [3], 6, LAYOUT, "SGLang")
+
+
+def test_routes_sit_beside_their_tokens():
+    """Prompt of 3 in a width-4 prompt column, 2 response tokens: 4 routed rows from column 1; the
+    last token and the padding get -1, and the dense layer 0 is left out."""
+    r = torch.tensor([[[0, 0], [k % 4, (k + 1) % 4]] for k in range(4)], dtype=torch.int32)
+    out = batch_routes([completion(r)], [3], 6, LAYOUT, "SGLang")
+    assert out.shape == (1, 6, 1, 2)
+    assert out[0, :, 0, 0].tolist() == [-1, 0, 1, 2, 3, -1]
