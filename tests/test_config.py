@@ -168,3 +168,14 @@ def test_vllm_engine_refuses_what_its_cpu_kernels_cannot_run():
                               "model.hf_config.qk_rope_head_dim=64"])
     dense = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     assert "no kernel for head size 16" in errors_of(["rollout.engine=vllm"], path=tiny, model_info=dense)
+
+
+def test_routing_replay_is_refused_where_no_routes_come_back():
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    assert load_config(tiny, ["actor.routing_replay=true"]).actor.routing_replay
+    for overrides, line in (
+            (["rollout.engine=vllm"], "the vLLM engine adapter returns no routed experts; use rollout.engine=sglang"),
+            (["rollout.engine=embedded"], "the embedded engine routes with the trainer's own routers"),
+            (["rollout.return_routed_experts=false"], "needs rollout.return_routed_experts: true"),
+            (["model.hf_config.n_routed_experts=0", "parallel.ep=1"], "the model has no routed experts")):
+        assert line in errors_of(["actor.routing_replay=true", *overrides], tiny)
