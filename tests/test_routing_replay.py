@@ -147,3 +147,37 @@ def test_routes_sit_beside_their_tokens():
     out = batch_routes([completion(r)], [3], 6, LAYOUT, "SGLang")
     assert out.shape == (1, 6, 1, 2)
     assert out[0, :, 0, 0].tolist() == [-1, 0, 1, 2, 3, -1]
+
+
+def test_replay_survives_activation_recompute():
+    """megatron's checkpoint reruns the router inside backward: each micro-batch gets its own
+    experts back (not the last one set), and the gradient reaches exactly those experts' logits."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    from mcore_rl import compat
+    from mcore_rl.models.replay import RouteReplay, start
+
+    compat.apply(cpu=True)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    replay = RouteReplay(0)
+    start([replay], replay=True, record=False)
+    taken, own = [], replay.get_replay_topk
+
+    def spy(*args, **kwargs):
+        probs, ids = own(*args, **kwargs)
+        taken.append(ids[0].tolist())
+        return probs, ids
+
+    replay.get_replay_topk = spy
+    logits = [torch.randn(5, 8, requires_grad=True) for _ in range(2)]
+    outs = []
+    for x, experts in zip(logits, ([0, 1], [6, 7])):
+        replay.set_target_indices(torch.tensor([experts] * 5))
+        route = lambda x: topk_routing_with_score_function(x, 2, score_function="sigmoid", router_replay=replay)[0]  # noqa: E731
+        outs.append(tensor_parallel.checkpoint(route, False, x))
+    for out in outs:
+        out.sum().backward()
+    assert taken == [[0, 1], [6, 7], [0, 1], [6, 7]]  # two forwards, then their recomputes in order
+    assert [x.grad.abs().sum(0).nonzero().squeeze(1).tolist() for x in logits] == [[0, 1], [6, 7]]
