@@ -146,7 +146,7 @@ class MegatronActor:
             for packed, taken in zip(packs, r.taken):
                 n = packed.length // tp
                 src = packed.source[tp_rank * n:(tp_rank + 1) * n].cpu()
-                flat[src[src >= 0], r.column] = taken[src >= 0]
+                flat[src[src >= 0], r.column] = taken.cpu()[src >= 0]
             r.reset()
         self.trainer_routes = mine
         counts = torch.tensor(agreement_counts(mine, engine), dtype=torch.float64, device=self.device)

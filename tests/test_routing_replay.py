@@ -10,6 +10,8 @@ are read: the engine's routes as it returned them, the trainer's as its routers 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -181,3 +183,53 @@ def test_replay_survives_activation_recompute():
         out.sum().backward()
     assert taken == [[0, 1], [6, 7], [0, 1], [6, 7]]  # two forwards, then their recomputes in order
     assert [x.grad.abs().sum(0).nonzero().squeeze(1).tolist() for x in logits] == [[0, 1], [6, 7]]
+
+
+def _replay_at_layout(rank, world, root, tp, pp, ep):
+    """At TP=tp x PP=pp x EP=ep (no engine): record the trainer's live routes, shift its expert
+    bias, replay the recorded routes. Rank 0 saves the log-probs of the three passes."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from mcore_rl.actor import MegatronActor
+    from tests.actor_pp_scenario import actor_cfg, as_driver
+    from tests.rl_batch import rl_batch
+
+    cfg = actor_cfg(tp, pp, ep)
+    cfg["actor"].update(routing_replay=True, use_kl_loss=False)
+    cfg["critic"]["enabled"] = False
+    actor = MegatronActor(rank, world, 0, os.path.join(root, "hf"), cfg)
+    batch, layout = rl_batch(), ExpertLayout.of(actor.hf)
+    unrouted = torch.full((*batch["tokens"].shape, len(layout.moe_layers), layout.topk), -1, dtype=torch.int16)
+    live = as_driver(actor.log_probs({**batch, "routes": unrouted}))  # no routes to replay: the router's own
+    recorded = unrouted.int()
+    recorded[actor._dp_slice(len(recorded))] = actor.trainer_routes.int()
+    dist.all_reduce(recorded, op=dist.ReduceOp.MAX)  # each rank routed its own tokens (TP) and layers (PP)
+    for m in actor.model.modules():
+        if isinstance(m, TopKRouter):
+            m.expert_bias.add_(torch.randn(m.expert_bias.shape, generator=torch.Generator().manual_seed(m.layer_number)))
+    replayed = as_driver(actor.log_probs({**batch, "routes": recorded.short()}))
+    agreement = actor._route_agreement
+    shifted = as_driver(actor.log_probs({**batch, "routes": unrouted}))
+    if rank == 0:
+        torch.save(dict(live=live, replayed=replayed, shifted=shifted, agreement=agreement, recorded=recorded,
+                        mask=batch["attention_mask"]), os.path.join(root, f"tp{tp}pp{pp}.pt"))
+    actor.ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)], ids=["pp2", "tp2_sequence_parallel"])
+def test_replay_at_pipeline_and_tensor_parallel_layouts(tmp_path, tp, pp):
+    """Routes reach the right router (PP: each stage its layers) and the right tokens (TP: each
+    rank its sequence-parallel slice): replaying the recorded routes under a shifted bias gives
+    the unshifted log-probs back."""
+    from tests import distributed
+    from tests.tiny_models import make_hf_model
+
+    make_hf_model("deepseek_v3", str(tmp_path / "hf"))
+    distributed.run(_replay_at_layout, 2, 2, str(tmp_path), tp, pp, 1)
+    got = torch.load(tmp_path / f"tp{tp}pp{pp}.pt", weights_only=True)
+    real = got["mask"].bool()[..., None]
+    assert ((got["recorded"][..., 0] >= 0) == real).all()  # every real token in every MoE layer, once
+    assert got["agreement"] == 1.0
+    assert (got["replayed"] - got["live"]).abs().max() < 1e-5
+    assert (got["shifted"] - got["live"]).abs().max() > 1e-3  # the shift does change routing

@@ -41,7 +41,7 @@ class RouteReplay(RouterReplay):
             ids = torch.where(target >= 0, target, own)
             probs = scores.gather(1, ids)
         if self.recording and not torch.is_grad_enabled():
-            self.taken.append(ids.detach().to("cpu", torch.int16))
+            self.taken.append(ids.detach().to(torch.int16))  # to the host after the pass: no sync per layer
         return probs, ids
 
     def reset(self) -> None:
