@@ -164,7 +164,9 @@ def main() -> int:
                   sync_gb_per_s=sync_b / sync_s / 1e9 if sync_s else None,
                   update_tflops_per_gpu=flops / update_s / gpus / 1e12,
                   update_pct_of_790=100 * flops / update_s / gpus / MATMUL_PEAK,
-                  logp_diff_abs_mean=med("rollout/logp_diff_abs_mean"), reward=[s.get("reward/mean") for s in timed],
+                  logp_diff_abs_mean=med("rollout/logp_diff_abs_mean"),
+                  token_mult_prob_error=med("rollout/token_mult_prob_error"),
+                  route_agreement=med("rollout/route_agreement"), reward=[s.get("reward/mean") for s in timed],
                   memory_per_step={k: {m: s.get(m) for m in MEMORY} for k, s in sorted(steps.items()) if k >= 1},
                   memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}))
     with open(a.out, "w") as f:
@@ -173,7 +175,8 @@ def main() -> int:
     for k, v in result["phases_s"].items():
         print(f"{k:<28}{v if v is None else round(v, 3):>10}")
     for k in ("step_s", "rollout_tokens_per_s", "engine_alone_tokens_per_s", "sync_s", "sync_gb_per_s",
-              "update_tflops_per_gpu", "update_pct_of_790", "logp_diff_abs_mean"):
+              "update_tflops_per_gpu", "update_pct_of_790", "logp_diff_abs_mean", "token_mult_prob_error",
+              "route_agreement"):
         v = result[k]
         print(f"{k:<28}{v if v is None else round(v, 4):>10}")
     print(f"\n{'memory, max of steps 2..N':<32}{'measured':>14}{'planned GiB':>14}")

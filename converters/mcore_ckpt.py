@@ -46,7 +46,6 @@ def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
     """Megatron's sharded state dict for `hf` on the meta device, plus our Entry per parameter."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-    from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
     from mcore_rl.models import build_model, transformer_config
     from mcore_rl.models.builder import sharded_state_dict

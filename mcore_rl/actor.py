@@ -89,6 +89,7 @@ class MegatronActor:
             from mcore_rl.checkpoint import load_model
 
             load_model(self.model, init["policy"])
+        self._install_route_replay(cfg)
         a, alg = cfg["actor"], cfg["algorithm"]
         self.ref, self.ref_offload = None, None
         if a["use_kl_loss"] or alg["use_kl_in_reward"]:  # a frozen copy of the initial policy
@@ -110,6 +111,55 @@ class MegatronActor:
         # where each param's elements sit in the checkpoint's tensors; made now, while the params are
         # on the device (a save may run while they are offloaded)
         self._regions = {name: regions(model) for name, model, _ in self._parts()}
+
+    def _install_route_replay(self, cfg: dict) -> None:
+        """With routes coming back from the engine (SGLang, MoE): the policy's routers replay them
+        (actor.routing_replay) and record their own choice in the old-log-prob pass."""
+        from mcore_rl.routing import ExpertLayout
+
+        r = cfg["rollout"]
+        layout = ExpertLayout.of(self.hf)
+        self.route_replays, self.trainer_routes, self._route_agreement = [], None, None
+        self._routes_on = layout is not None and r["engine"] == "sglang" and r["return_routed_experts"]
+        if self._routes_on:  # a pipeline stage of dense layers only has none, but takes part
+            from mcore_rl.models import replay
+
+            self.route_replays = replay.install(self.model, layout.moe_layers)
+
+    def _routes_hook(self, model, packs: list[mb.Packed], replay: bool, record: bool):
+        """pipeline's before_forward for `model` over `packs`: None unless the policy gets routes."""
+        if model is not self.model or not self._routes_on or packs[0].routes is None:
+            return None
+        from mcore_rl.models.replay import set_targets, start
+
+        start(self.route_replays, replay=replay, record=record)
+        tp_rank = self.ps.get_tensor_model_parallel_rank()
+        return lambda k: set_targets(self.route_replays, packs[k].routes, tp_rank, self.layout.tp)
+
+    def _collect_routes(self, d: dict, packs: list[mb.Packed]) -> None:
+        """The experts the policy's routers took in the pass that just ran, in the batch's layout
+        (self.trainer_routes, -1 where another rank routed), and the agreement with the engine's
+        over all ranks (rollout/route_agreement)."""
+        from mcore_rl.routing import agreement_counts
+
+        engine = d["routes"]
+        mine = torch.full_like(engine, -1)
+        flat = mine.flatten(0, 1)
+        tp, tp_rank = self.layout.tp, self.ps.get_tensor_model_parallel_rank()
+        for r in self.route_replays:
+            for packed, taken in zip(packs, r.taken):
+                n = packed.length // tp
+                src = packed.source[tp_rank * n:(tp_rank + 1) * n].cpu()
+                flat[src[src >= 0], r.column] = taken.cpu()[src >= 0]
+            r.reset()
+        self.trainer_routes = mine
+        counts = torch.tensor(agreement_counts(mine, engine), dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)  # ranks route disjoint tokens (DP, TP slices) or layers (PP)
+        self._route_agreement = (counts[0] / counts[1]).item() if counts[1] > 0 else None
+
+    def route_agreement(self) -> float | None:
+        """rollout/route_agreement of the last old-log-prob pass (the reporting rank)."""
+        return self._route_agreement if self._is_reporter() else None
 
     def _optim_options(self) -> dict:
         """optim.wrap's switches from the actor and memory sections; null ones follow the device."""
@@ -162,7 +212,8 @@ class MegatronActor:
         return t.tolist()
 
     def _pack(self, d: dict, response_len: int, rows: list[int], pad_to: int) -> mb.Packed:
-        return mb.pack(d["tokens"], d["attention_mask"], response_len, rows, pad_to).to(self.device)
+        return mb.pack(d["tokens"], d["attention_mask"], response_len, rows, pad_to,
+                       routes=d.get("routes")).to(self.device)
 
     def _sizes(self, section: str) -> dict:
         """Per-rank mini-batch, micro-batch and packed-token budget of 'actor' or 'critic' (the
@@ -287,7 +338,7 @@ class MegatronActor:
     @torch.no_grad()
     def _per_response_token(self, model, batch: dict, values: bool) -> torch.Tensor | None:
         model.eval()
-        d = self._local(batch, ("tokens", "attention_mask", "response_mask"))
+        d = self._local(batch, ("tokens", "attention_mask", "response_mask", "routes"))
         R = d["response_mask"].shape[1]
         out = torch.zeros(len(d["tokens"]), R)
         temperature = batch.get("temperature", self.cfg["rollout"]["temperature"])  # a sync check's is 1
@@ -300,9 +351,13 @@ class MegatronActor:
                 return packs[k].at_responses(y[:, 0].float())
             return token_logprobs(y, packs[k], temperature, fused=self._fused_logprobs)[0]
 
-        for (rows, _), got in zip(plan, pipeline.forward(model, packs, per_token, tp_gather=not values)):
+        routes = self._routes_hook(model, packs, replay=self.cfg["actor"]["routing_replay"], record=True)
+        for (rows, _), got in zip(plan, pipeline.forward(model, packs, per_token, tp_gather=not values,
+                                                         before_forward=routes)):
             if rows:
                 out[rows] = got.cpu()
+        if routes is not None:
+            self._collect_routes(d, packs)
         return out if self._is_reporter() else None
 
     def _allocator_peak(self, name: str) -> None:
@@ -335,7 +390,7 @@ class MegatronActor:
         self._writes_done()
         a = self.cfg["actor"]
         keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
-                "rollout_is_weights")
+                "rollout_is_weights", "routes")
         out = self._epochs(self.model, self.opt, self._local(batch, keys), self._policy_loss, a["ppo_epochs"],
                            self._sizes("actor"), warmup=a["lr_warmup_steps"], base_lr=a["lr"])
         if self.ref is not None and a["use_kl_loss"]:
@@ -391,7 +446,7 @@ class MegatronActor:
             packs = self._packs(d, mask.shape[1], plan)
             # everything the losses read goes to the device before the schedule starts, and the
             # stats stay there until it ends: no host sync between micro-batches
-            micros = [{key: v[rows].to(self.device) for key, v in d.items()} for rows, _ in plan]
+            micros = [{key: v[rows].to(self.device) for key, v in d.items() if key != "routes"} for rows, _ in plan]
             shares = [float(mask[rows].sum()) / local_tokens for rows, _ in plan]  # of this rank's tokens
 
         def loss_and_stats(out, k):
@@ -400,9 +455,14 @@ class MegatronActor:
                           **{s: shares[k] * torch.as_tensor(v).detach().double() for s, v in mean_stats.items()}}
 
         totals: dict[str, torch.Tensor] = {}
-        for stats in pipeline.forward_backward(model, packs, loss_and_stats, tp_gather=model is not self.critic):
+        routes = self._routes_hook(model, packs, replay=True, record=False) \
+            if self.cfg["actor"]["routing_replay"] else None
+        for stats in pipeline.forward_backward(model, packs, loss_and_stats, tp_gather=model is not self.critic,
+                                               before_forward=routes):
             for key, v in stats.items():
                 totals[key] = totals.get(key, 0.0) + v
+        for r in self.route_replays if routes is not None else ():
+            r.reset()
         _, gnorm = optim.step(model, opt)  # DP/expert-DP/TP-SP/PP-embedding grad reductions, clipping, step
         values = torch.stack([v.to(self.device) for v in totals.values()]).tolist() if totals else []
         return {**dict(zip(totals, values)), "actor/grad_norm": gnorm}

@@ -68,6 +68,10 @@ class Packed:
     response_rows: torch.Tensor  # [n]
     response_targets: torch.Tensor  # [n]
     response_index: torch.Tensor  # [n]
+    # with routed experts (mcore_rl.routing): the engine's ids at each packed position [T, MoE layers,
+    # top-k] (-1 on the filler), and where each position came from in the batch (row * width + column)
+    routes: torch.Tensor | None = None
+    source: torch.Tensor | None = None
 
     def to(self, device) -> "Packed":
         return Packed(**{f: (v.to(device) if isinstance(v, torch.Tensor) else v)
@@ -109,8 +113,9 @@ def sample_lengths(attention_mask: torch.Tensor) -> list[int]:
 
 
 def pack(tokens: torch.Tensor, attention_mask: torch.Tensor, response_len: int, rows: list[int],
-         pad_to: int = 0, pad_id: int = 0) -> Packed:
-    """Pack `rows` of a batch without their padding; a filler segment makes T = max(T, pad_to)."""
+         pad_to: int = 0, pad_id: int = 0, routes: torch.Tensor | None = None) -> Packed:
+    """Pack `rows` of a batch without their padding; a filler segment makes T = max(T, pad_to).
+    routes: the batch's [B, L, MoE layers, top-k] (mcore_rl.routing), packed beside the tokens."""
     R, L = response_len, tokens.shape[1]
     ids, starts, pred = [], [0], torch.zeros(len(rows), R, dtype=torch.long)
     valid = attention_mask[rows, L - R:].bool()
@@ -129,9 +134,20 @@ def pack(tokens: torch.Tensor, attention_mask: torch.Tensor, response_len: int, 
     last = torch.tensor(starts[1:len(rows) + 1], dtype=torch.long) - 1
     lens = [b - a for a, b in zip(starts, starts[1:])]
     flat = torch.cat(ids)
-    return Packed(input_ids=flat[None],
+    routed = _packed_routes(routes, attention_mask, rows, len(flat)) if routes is not None else {}
+    return Packed(**routed, input_ids=flat[None],
                   position_ids=torch.cat([torch.arange(n) for n in lens])[None],
                   cu_seqlens=torch.tensor(starts, dtype=torch.int32), bounds=tuple(starts), max_seqlen=max(lens),
                   predictor=pred, target=tokens[rows, L - R:], valid=valid, last=last,
                   response_rows=pred[valid], response_targets=tokens[rows, L - R:][valid],
                   response_index=valid.flatten().nonzero().squeeze(1))
+
+
+def _packed_routes(routes: torch.Tensor, attention_mask: torch.Tensor, rows: list[int], length: int) -> dict:
+    """Packed.routes and Packed.source: each sample's routes at its real tokens, in packing order."""
+    L = attention_mask.shape[1]
+    cols = [attention_mask[i].bool().nonzero().squeeze(1) for i in rows]
+    source = torch.cat([i * L + c for i, c in zip(rows, cols)] + [torch.zeros(0, dtype=torch.long)])
+    out = torch.full((length, *routes.shape[2:]), -1, dtype=routes.dtype)
+    out[:len(source)] = routes.flatten(0, 1)[source]
+    return {"routes": out, "source": torch.cat([source, source.new_full((length - len(source),), -1)])}

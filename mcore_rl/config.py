@@ -102,6 +102,9 @@ class RolloutConfig:
     timeout_s: float = 600.0  # an engine call (generate, sync, release) that takes longer is an error
     start_timeout_s: float = 900.0
     log_level: str = "error"  # the engine's own log level
+    # SGLang with an MoE model returns each token's routed experts (actor.routing_replay and
+    # rollout/route_agreement); costs each engine a host buffer of KV tokens x layers x top-k int32
+    return_routed_experts: bool = True
 
 
 @dataclass
@@ -212,6 +215,9 @@ class ActorConfig:
     use_distributed_optimizer: bool = True  # shard fp32 main params and Adam moments over DP
     # aux-loss-free balancing (DeepSeek-V3): expert-bias step per update; 0 keeps routing as loaded
     router_bias_update_rate: float = 0.0
+    # R3, rollout routing replay: the policy's routers take the experts the engine routed each token
+    # to (old log-probs and update) and weigh them with their own live scores (docs/routing_replay.md)
+    routing_replay: bool = False
     # training throughput (benchmarks/actor_bench.py); null: on with GPUs, off on CPU
     # one varlen flash call per micro-batch (GPU), or an SDPA call per sequence; MLA's unequal q/v head
     # widths keep SDPA off its flash kernel, 10x slower on H200 (benchmarks/RESULTS.md, issue 15)
@@ -750,6 +756,7 @@ def _check_algorithm(cfg: Config, errors: list[str]) -> None:
         if a.use_dynamic_bsz and budget is not None and budget < seq_len:
             errors.append(f"{section}.ppo_max_token_len_per_gpu = {budget} is below one full "
                           f"sequence (max_prompt_length + max_response_len = {seq_len})")
+    _check_routing_replay(cfg, errors)
     if not d.train_files and d.task is None:
         errors.append("data: set data.train_files or data.task")
     if d.task is not None:
@@ -783,6 +790,29 @@ def _check_corrections(cfg: Config, errors: list[str]) -> None:
         errors.append(f"data.gen_batch_size must be >= 1 or null, got {d.gen_batch_size}")
     if alg.filter_groups.enable and cfg.rollout.n < 2:
         errors.append("algorithm.filter_groups needs rollout.n >= 2 (it drops groups whose rewards are all equal)")
+
+
+def returns_routes(cfg: Config, hf: dict | None = None) -> bool:
+    """Whether the rollout engines return each token's routed experts (SGLang, an MoE model)."""
+    hf = hf if hf is not None else hf_model_dims(cfg.model)
+    return cfg.rollout.engine == "sglang" and cfg.rollout.return_routed_experts and bool(hf and _num_experts(hf))
+
+
+def _check_routing_replay(cfg: Config, errors: list[str]) -> None:
+    if not cfg.actor.routing_replay:
+        return
+    engine = cfg.rollout.engine
+    if engine == "vllm":  # vLLM 0.32 has enable_return_routed_experts, but mcore_rl.rollout.vllm does not carry them yet
+        errors.append("actor.routing_replay: the vLLM engine adapter returns no routed experts; use rollout.engine=sglang")
+    elif engine == "embedded":
+        errors.append("actor.routing_replay: the embedded engine routes with the trainer's own routers; "
+                      "there is nothing to replay")
+    elif not cfg.rollout.return_routed_experts:
+        errors.append("actor.routing_replay needs rollout.return_routed_experts: true")
+    else:
+        hf = hf_model_dims(cfg.model)
+        if hf is not None and not _num_experts(hf):
+            errors.append("actor.routing_replay: the model has no routed experts")
 
 
 def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | None] | dict | None = None,

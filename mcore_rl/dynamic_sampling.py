@@ -15,7 +15,8 @@ from mcore_rl import config as C
 from mcore_rl import ppo
 from mcore_rl.algos.dapo import varied_groups
 
-FULL_SEQUENCE_KEYS = ("tokens", "attention_mask")  # [B, P + R]: left-padded prompts, then responses
+# [B, P + R, ...]: left-padded prompts, then responses (routes: each token's experts per MoE layer)
+FULL_SEQUENCE_KEYS = ("tokens", "attention_mask", "routes")
 
 
 class RefillsExhausted(RuntimeError):
@@ -64,8 +65,11 @@ def _filtered(cfg: C.Config, engine, source, prompt_idx: list[int], seed: int):
 
 
 def _generate(cfg, engine, source, prompts: list[int], seed: int):
+    from mcore_rl.routing import ExpertLayout
+
     idx = [i for i in prompts for _ in range(cfg.rollout.n)]
-    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed))
+    experts = ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
+    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed), experts)
     score = ppo.scores(source, idx, batch)
     return batch, idx, score, score + ppo.reward_shaping(cfg, batch)
 

@@ -20,12 +20,18 @@ from mcore_rl.batching import Packed
 OnOutput = Callable[[torch.Tensor, int], object]
 
 
-def forward(model, micro_batches: list[Packed], fn: OnOutput, tp_gather: bool) -> list:
+# called with a micro-batch's index just before its forward (routing replay sets its routes)
+BeforeForward = Callable[[int], None]
+
+
+def forward(model, micro_batches: list[Packed], fn: OnOutput, tp_gather: bool,
+            before_forward: BeforeForward | None = None) -> list:
     """fn's result for each micro-batch (forward only, e.g. under torch.no_grad)."""
-    return _run(model, micro_batches, fn, tp_gather, forward_only=True)
+    return _run(model, micro_batches, fn, tp_gather, forward_only=True, before_forward=before_forward)
 
 
-def forward_backward(model, micro_batches: list[Packed], loss_fn: OnOutput, tp_gather: bool) -> list[dict]:
+def forward_backward(model, micro_batches: list[Packed], loss_fn: OnOutput, tp_gather: bool,
+                     before_forward: BeforeForward | None = None) -> list[dict]:
     """Backward of each micro-batch's loss (grads accumulate in the model's buffers); returns the
     stats of each. loss_fn returns (loss, stats) with the loss already normalised over the whole
     mini-batch, so the micro-batch losses simply add up."""
@@ -37,10 +43,11 @@ def forward_backward(model, micro_batches: list[Packed], loss_fn: OnOutput, tp_g
         # undo it. The zero term keeps backward (and its collectives) going on empty micro-batches.
         return value * n + 0.0 * out.sum(), stats
 
-    return _run(model, micro_batches, loss, tp_gather, forward_only=False)
+    return _run(model, micro_batches, loss, tp_gather, forward_only=False, before_forward=before_forward)
 
 
-def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather: bool, forward_only: bool) -> list:
+def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather: bool, forward_only: bool,
+         before_forward: BeforeForward | None = None) -> list:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from megatron.core.utils import get_model_config
@@ -58,6 +65,8 @@ def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather:
 
     def step(data, model):
         k, packed = next(data)
+        if before_forward is not None:
+            before_forward(k)
         with record_function("model/forward"):  # named ranges: benchmarks/profile_breakdown.py
             out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params(),
                         padding_mask=packed.filler)

@@ -26,11 +26,12 @@ def pad_prompts(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def rollout(engine, source, idx: list[int], params) -> dict:
+def rollout(engine, source, idx: list[int], params, experts=None) -> dict:
     """Sample one completion per entry of `idx` (prompt indices, each repeated rollout.n times in a
     row) with the rollout engine, as a batch: tokens [B, P + R] (left-padded prompts, responses
     right-padded to the longest), attention_mask, response_mask (1 up to and including the stop
-    token) and the engine's log-probs of its sampled tokens (rollout_log_probs)."""
+    token) and the engine's log-probs of its sampled tokens (rollout_log_probs). experts (an
+    mcore_rl.routing.ExpertLayout, when the engine returns routes): also the engine's routes."""
     tok = source.tokenizer
     n = params.n
     firsts = idx[::n]
@@ -47,8 +48,14 @@ def rollout(engine, source, idx: list[int], params) -> dict:
         resp[i, :k] = torch.as_tensor(c.token_ids, dtype=torch.long)
         resp_mask[i, :k] = 1
         logps[i, :k] = torch.as_tensor(c.log_probs, dtype=torch.float32)
-    return {"tokens": torch.cat([prompts, resp], 1), "attention_mask": torch.cat([pmask, resp_mask.long()], 1),
-            "response_mask": resp_mask, "rollout_log_probs": logps}
+    batch = {"tokens": torch.cat([prompts, resp], 1), "attention_mask": torch.cat([pmask, resp_mask.long()], 1),
+             "response_mask": resp_mask, "rollout_log_probs": logps}
+    if experts is not None:
+        from mcore_rl.routing import batch_routes
+
+        batch["routes"] = batch_routes(done, [len(source.prompts[i]) for i in idx], batch["tokens"].shape[1],
+                                       experts, getattr(engine, "label", "the rollout engine"))
+    return batch
 
 
 def sampling_params(cfg: C.Config, source, seed: int, validation: bool = False):
@@ -149,10 +156,21 @@ def data_metrics(batch: dict, score: torch.Tensor, rewards: torch.Tensor) -> dic
         ret, val = batch["returns"][mask.bool()], batch["values"][mask.bool()]
         out["critic/vf_explained_var"] = (1 - (ret - val).var() / (ret.var() + 1e-5)).item()
     if batch.get("rollout_log_probs") is not None and batch.get("old_log_probs") is not None:
-        diff = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask.bool()]
-        out["rollout/logp_diff_abs_mean"] = diff.abs().mean().item()  # engine vs trainer, same weights
-        out["rollout/logp_diff_abs_max"] = diff.abs().max().item()
+        out.update(mismatch_metrics(batch["rollout_log_probs"][mask.bool()], batch["old_log_probs"][mask.bool()]))
     return out
+
+
+def mismatch_metrics(engine: torch.Tensor, trainer: torch.Tensor) -> dict:
+    """How far the engine's log-probs of its sampled response tokens are from the trainer's (same
+    weights): absolute gaps, NeMo-RL's token_mult_prob_error (mean exp|gap|, 1 when equal) and the
+    k3 estimate of KL(rollout || trainer) on the rollout's own samples (r = trainer - engine)."""
+    if engine.numel() == 0:
+        return {}
+    gap = (trainer - engine).double()
+    return {"rollout/logp_diff_abs_mean": gap.abs().mean().item(),
+            "rollout/logp_diff_abs_max": gap.abs().max().item(),
+            "rollout/token_mult_prob_error": gap.abs().exp().mean().item(),
+            "rollout/kl_k3": (gap.exp() - 1 - gap).mean().item()}
 
 
 def kl_controller(cfg: C.Config, coef: float | None = None):

@@ -170,11 +170,14 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
     phases.to_train()
     times["timing/to_train"] = time.perf_counter() - t
     batch["old_log_probs"] = torch.cat(timed("old_log_prob", "log_probs", batch))
+    agreement = group.call("route_agreement") if "routes" in batch else []
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
     if cfg.critic.enabled:
         batch["values"] = torch.cat(timed("values", "values", batch))
     metrics.update(ppo.advantages(cfg, batch, reward, idx, kl_ctrl))
+    if agreement and agreement[0] is not None:  # the trainer's top-k sets vs the engine's, old-log-prob pass
+        metrics["rollout/route_agreement"] = agreement[0]
     mask = batch["response_mask"]  # every sampled token, for the metrics below
     metrics.update(ppo.correct_rollout(cfg, batch))  # may take rejected tokens out of the updates' mask
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves

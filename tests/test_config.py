@@ -188,3 +188,14 @@ def test_rollout_correction_and_dapo_settings_checked_up_front():
     assert cfg.algorithm.rollout_correction.rollout_is is None and cfg.algorithm.rollout_correction.rollout_rs is None
     assert cfg.actor.policy_loss.loss_mode == "vanilla" and not cfg.reward.overlong_buffer.enable
     assert not cfg.algorithm.filter_groups.enable and cfg.trainer.rollout_dump_dir is None
+
+
+def test_routing_replay_is_refused_where_no_routes_come_back():
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    assert load_config(tiny, ["actor.routing_replay=true"]).actor.routing_replay
+    for overrides, line in (
+            (["rollout.engine=vllm"], "the vLLM engine adapter returns no routed experts; use rollout.engine=sglang"),
+            (["rollout.engine=embedded"], "the embedded engine routes with the trainer's own routers"),
+            (["rollout.return_routed_experts=false"], "needs rollout.return_routed_experts: true"),
+            (["model.hf_config.n_routed_experts=0", "parallel.ep=1"], "the model has no routed experts")):
+        assert line in errors_of(["actor.routing_replay=true", *overrides], tiny)

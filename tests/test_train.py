@@ -64,6 +64,11 @@ def test_tiny_grpo_learns_with_sglang(tmp_path):
     # after every sync SGLang's log-probs of its own samples equal the trainer's (same weights, fp32)
     diffs = [steps[k]["rollout/logp_diff_abs_mean"] for k in range(1, 31)]
     assert max(diffs) < 1e-3, diffs
+    # the engine-trainer mismatch metrics every step; without routing replay the trainer routes live
+    from tests.test_routing_replay import MISMATCH
+
+    assert all(set(MISMATCH) <= set(steps[k]) and 0 < steps[k]["rollout/route_agreement"] <= 1
+               for k in range(1, 31)), steps[30]
     assert all(steps[k]["sync/bytes"] > 0 and steps[k]["timing/release_rollout"] >= 0 for k in range(1, 31))
     assert steps[0]["sync/verified"] == 1.0  # the first sync, read back from both engines
     assert os.path.exists(os.path.join(out, "checkpoints", "step_30", "trainer_state.json"))

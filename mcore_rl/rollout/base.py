@@ -49,6 +49,9 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]  # the engine's log-prob of each sampled token (after temperature)
     finish_reason: str = "length"  # "stop": ended with a stop id (the last token), "length": max_new_tokens
+    # [prompt + response - 1 tokens, layers, top-k] int32: the experts each token was routed to
+    # (every token but the last sampled one, which the engine never ran); None: the engine returns none
+    routed_experts: object = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.log_probs):

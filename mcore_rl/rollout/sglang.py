@@ -10,14 +10,13 @@ engine process (weight digests for verifying a sync, the CPU MLA handler).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 
+from mcore_rl import config as C
 from mcore_rl.parallel import free_port
 from mcore_rl.rollout import model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
@@ -93,6 +92,8 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
                 chunked_prefill_size=r.chunked_prefill_size, log_level=r.log_level)
     if dist_init_addr:
         args["dist_init_addr"] = dist_init_addr
+    if C.returns_routes(cfg, C.hf_config(model_dir)):
+        args["enable_return_routed_experts"] = True
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
         args.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
                     disable_cuda_graph=True, max_total_tokens=r.cpu_kv_tokens)
@@ -144,6 +145,23 @@ def sampling_dict(r: Request) -> dict:
     return out
 
 
+def decode_routes(meta: dict, rows: int, layers: int, topk: int, engine: str):
+    """meta_info["routed_experts"] as SGLang encodes it (state_capturer/routed_experts.py, the
+    detokenizer's _b64_encode_per_request): base64 of a C-order int32 [rows, layers, top-k] array,
+    rows = prompt + output tokens - 1. Missing or short is an error naming the engine."""
+    import numpy as np
+    import pybase64
+
+    text = meta.get("routed_experts")
+    if not text:
+        raise EngineError(f"{engine} returned no routed_experts (started without enable_return_routed_experts?)")
+    flat = np.frombuffer(pybase64.b64decode(text.encode("utf-8")), dtype=np.int32)
+    if flat.size != rows * layers * topk:
+        raise EngineError(f"{engine} returned {flat.size} routed expert ids, expected {rows} tokens x {layers} "
+                          f"layers x top-{topk} = {rows * layers * topk}")
+    return flat.reshape(rows, layers, topk).copy()
+
+
 def _ok(result, what: str):
     """SGLang answers (success, message) tuples or objects with .success; raise on failure."""
     if result is None:
@@ -191,19 +209,30 @@ class SGLangServer:
         t0 = time.perf_counter()
         self.engine = sglang.Engine(**engine_args)
         self.start_seconds = time.perf_counter() - t0
+        self.route_shape = None  # (layers, top-k) of the routed experts it returns
+        if engine_args.get("enable_return_routed_experts"):
+            with open(os.path.join(engine_args["model_path"], "config.json")) as f:
+                hf = json.load(f)
+            self.route_shape = (hf["num_hidden_layers"], hf["num_experts_per_tok"])
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
         if not requests:
             return []
+        routes = {"return_routed_experts": True} if self.route_shape else {}
         outs = self.engine.generate(input_ids=[list(r.prompt) for r in requests],
-                                    sampling_params=[sampling_dict(r) for r in requests], return_logprob=True)
+                                    sampling_params=[sampling_dict(r) for r in requests], return_logprob=True,
+                                    **routes)
         done = []
-        for o in outs:
+        for r, o in zip(requests, outs):
             meta = o["meta_info"]
             reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
+            experts = None
+            if self.route_shape:
+                experts = decode_routes(meta, len(r.prompt) + len(o["output_ids"]) - 1, *self.route_shape,
+                                        f"SGLang {self.version} node {self.node_rank}")
             done.append(Completion(list(o["output_ids"]), [lp[0] for lp in meta["output_token_logprobs"]],
-                                   "stop" if reason == "stop" else "length"))
+                                   "stop" if reason == "stop" else "length", experts))
         return done
 
     # ---- weight updates (the WeightTarget entry points, for this engine) ---------------------------

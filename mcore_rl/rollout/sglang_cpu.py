@@ -16,6 +16,9 @@ but a few things it imports or dispatches to exist only in GPU builds:
   falls back to triton's, which takes the MHA prefill path over the latent cache and fails. The
   handler registered here always picks MLA (`register_mla_handler`, run in every scheduler by
   `mcore_rl.rollout.sglang_plugin`).
+- Routed-experts capture (`enable_return_routed_experts`) keeps its host buffer through
+  `ALLOC_MEMORY_FUNCS`, whose default pins it with cudaHostRegister ("Torch not compiled with CUDA
+  enabled"). On CPU the host buffer is plain memory (`register_host_buffers`, run by the plugin).
 
 The stand-ins must exist in every SGLang process, including the schedulers it spawns, before
 any SGLang module is imported: `sglang_site/sitecustomize.py` calls `install()` at interpreter
@@ -159,6 +162,17 @@ def register_mla_handler() -> None:
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
     AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA)
+
+
+def _plain_host_buffer(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    return torch.zeros(dims, dtype=dtype, device="cpu")  # a CPU engine's memory is the host's: nothing to pin
+
+
+def register_host_buffers() -> None:
+    """SGLang's host buffers of a CPU engine without cudaHostRegister (see the module docstring)."""
+    from sglang.srt.mem_cache.pool_host import common
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = _plain_host_buffer
 
 
 def child_env(env: dict | None = None) -> dict:

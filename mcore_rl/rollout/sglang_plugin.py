@@ -14,7 +14,8 @@ model is built.
   composition) only in deterministic-inference mode, which its CPU and most GPU attention backends
   refuse. The patch builds the per-request seed tensor for every batch (42 where a request has
   none, as SGLang does) so its pytorch sampler honours the seeds in any mode.
-- On CPU, the MLA attention handler for `torch_native` (mcore_rl.rollout.sglang_cpu).
+- On CPU, the MLA attention handler for `torch_native` and plain host buffers for the routed-experts
+  capture (mcore_rl.rollout.sglang_cpu).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def register() -> None:
     if os.environ.get("MCORE_RL_SEEDED_SAMPLING") == "1":
         _seeded_sampling()
     if os.environ.get("MCORE_RL_SGLANG_CPU") == "1":
-        from mcore_rl.rollout.sglang_cpu import register_mla_handler
+        from mcore_rl.rollout.sglang_cpu import register_host_buffers, register_mla_handler
 
         register_mla_handler()
+        register_host_buffers()
