@@ -60,6 +60,20 @@ def test_unknown_model_type(v3, tmp_path):
     _assert_no_output(str(tmp_path / "ck"))
 
 
+def test_each_family_reads_its_own_expert_keys():
+    """Qwen3-MoE counts experts under its own keys and has no shared expert, as transformers' model:
+    keys of DeepSeek's in its config (n_routed_experts, n_shared_experts) change nothing."""
+    from converters.mappings import mapping_for
+    from mcore_rl.models import HFModel
+
+    cfg = dict(model_type="qwen3_moe", num_hidden_layers=1, num_experts=4, n_routed_experts=9,
+               n_shared_experts=1, first_k_dense_replace=1)
+    m = HFModel.from_dict(cfg)
+    assert (m.num_experts, m.num_shared_experts, m.is_moe_layer(0)) == (4, 0, True)
+    names = [h for p in mapping_for(m).params(m) for h in p.hf]
+    assert not [n for n in names if "shared" in n] and "model.layers.0.mlp.experts.3.up_proj.weight" in names
+
+
 def _shard(v3, tmp_path, n=2):
     """Re-save the model as `n` shards with an index, as hub checkpoints are."""
     d = tmp_path / "sharded"

@@ -29,7 +29,7 @@ def moe(m, layer):
 
 
 def shared(m, layer):
-    return m.is_moe_layer(layer) and bool(m.get("n_shared_experts"))
+    return m.is_moe_layer(layer) and m.num_shared_experts > 0
 
 
 def expert_bias(m, layer):

@@ -58,9 +58,17 @@ class HFModel:
 
     @property
     def num_experts(self) -> int:
-        # DeepSeek and GLM: n_routed_experts; Qwen3-MoE hub configs: num_experts, transformers 5
-        # writes num_local_experts
-        return int(self.get("n_routed_experts") or self.get("num_experts") or self.get("num_local_experts") or 0)
+        # each family's own key, as its transformers model reads it (a stray key of another family's
+        # is ignored there too): Qwen3-MoE hub configs say num_experts, transformers 5 writes
+        # num_local_experts; DeepSeek and GLM say n_routed_experts
+        if self.model_type == "qwen3_moe":
+            return int(self.get("num_experts") or self.get("num_local_experts") or 0)
+        return int(self.get("n_routed_experts") or 0)
+
+    @property
+    def num_shared_experts(self) -> int:
+        """Shared experts per MoE layer (Qwen3-MoE has none, whatever its config carries)."""
+        return 0 if self.model_type == "qwen3_moe" else int(self.get("n_shared_experts") or 0)
 
     @property
     def sigmoid_routing(self) -> bool:
@@ -300,7 +308,7 @@ def _moe_config(m: HFModel) -> dict[str, Any]:
     groups = group_routing(m)
     scaling = float(m.get("routed_scaling_factor", 1.0) or 1.0)
     freq = [1 if m.is_moe_layer(i) else 0 for i in range(m.num_layers)]
-    shared = m.get("n_shared_experts") or 0
+    shared = m.num_shared_experts
     return dict(
         num_moe_experts=E,
         moe_router_topk=k,
