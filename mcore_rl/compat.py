@@ -219,8 +219,8 @@ def _sigmoid_topk_without_norm():
     @functools.wraps(topk_routing)
     def routing_maybe_unnormalised(logits, topk, *args, **kwargs):
         probs, routing_map = topk_routing(logits, topk, *args, **kwargs)
-        config = _ROUTER_CONFIG.get()
-        if getattr(config, "moe_router_sigmoid_norm_topk", True) is not False or kwargs.get("score_function") != "sigmoid":
+        keep_norm = getattr(_ROUTER_CONFIG.get(), "moe_router_sigmoid_norm_topk", True) is not False
+        if keep_norm or kwargs.get("score_function") != "sigmoid":
             return probs, routing_map
         # what megatron computes before it normalises: sigmoid in fp32, cast back, times the scale
         scores = torch.sigmoid(logits.float()).type_as(logits)

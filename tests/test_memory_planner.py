@@ -272,8 +272,8 @@ def gqa_moe_params(c: dict) -> int:
     attn = 2 * H + (heads + 2 * kv) * d * H + H * heads * d
     attn += (heads + 2 * kv) * d if c.get("attention_bias") else 0
     attn += 2 * d if c["model_type"] == "qwen3_moe" or c.get("use_qk_norm") else 0
-    moe = E * H + 3 * E * c["moe_intermediate_size"] * H + 3 * c.get("n_shared_experts", 0) * c["moe_intermediate_size"] * H
-    moe += E if c["model_type"] == "glm4_moe" else 0
+    moe = E * H + 3 * (E + c.get("n_shared_experts", 0)) * c["moe_intermediate_size"] * H
+    moe += E if c["model_type"] == "glm4_moe" else 0  # the expert bias
     dense = c.get("first_k_dense_replace", 0)
     layers = c["num_hidden_layers"]
     return 2 * c["vocab_size"] * H + H + layers * attn + (layers - dense) * moe + dense * 3 * c["intermediate_size"] * H

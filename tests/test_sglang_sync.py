@@ -2,11 +2,13 @@
 
 Two gloo processes each hold a megatron rank (loaded through our converter) and an SGLang rank
 (SGLang's real DeepseekV2ForCausalLM / Qwen2ForCausalLM / Qwen3MoeForCausalLM / Glm4MoeForCausalLM;
-SGLang as installed in the venv, with the CPU stand-ins of mcore_rl.rollout.sglang_cpu). Weights go through our plan, gather and transports
-(CudaIpcTransport with SGLang's FlattenedTensorMetadata, read back by its MultiprocessingSerializer;
-update-group broadcast; disk) into SGLang's WeightUpdater, exactly as its TpModelWorker does; the
-result must equal the same SGLang model loaded straight from the HF files, bit for bit. Layouts
-that cannot run here (TP16 over 2 nodes, EP8) are checked as plans.
+SGLang as installed in the venv, with the CPU stand-ins of mcore_rl.rollout.sglang_cpu). Weights
+go through our plan, gather and transports (CudaIpcTransport with SGLang's FlattenedTensorMetadata,
+read back by its MultiprocessingSerializer; update-group broadcast; disk) into SGLang's
+WeightUpdater, exactly as its TpModelWorker does; the result must equal the same SGLang model
+loaded straight from the HF files, bit for bit, and colocated, the digests a verified sync expects
+(the engine-layout table) must be SGLang's. Layouts that cannot run here (TP16 over 2 nodes, EP8)
+are checked as plans.
 """
 
 from __future__ import annotations
