@@ -168,3 +168,14 @@ def test_vllm_engine_refuses_what_its_cpu_kernels_cannot_run():
                               "model.hf_config.qk_rope_head_dim=64"])
     dense = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     assert "no kernel for head size 16" in errors_of(["rollout.engine=vllm"], path=tiny, model_info=dense)
+
+
+def test_sglang_refuses_qwen3_moe_dense_layers():
+    """SGLang's Qwen3MoeForCausalLM builds every layer sparse: a checkpoint with dense layers is
+    refused before anything starts (the embedded engine samples it)."""
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    qwen = ["model.hf_config.model_type=qwen3_moe", "model.hf_config.num_experts=4"]
+    msg = errors_of([*qwen, "model.hf_config.mlp_only_layers=[0]"], path=tiny)
+    assert "SGLang's Qwen3MoeForCausalLM makes every layer sparse" in msg and "mlp_only_layers=[0]" in msg
+    assert load_config(tiny, qwen) and load_config(tiny, [*qwen, "model.hf_config.mlp_only_layers=[0]",
+                                                          "rollout.engine=embedded"])
