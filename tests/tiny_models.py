@@ -69,11 +69,17 @@ VLLM_CPU = {
 }
 
 
+# fewer KV heads than engine TP ranks: SGLang replicates them (Qwen3-30B-A3B: 4 heads over TP 8)
+SYNC_VARIANTS = {
+    "qwen3_moe_one_kv_head": ("Qwen3MoeConfig", dict(FAMILIES["qwen3_moe"][1], num_key_value_heads=1)),
+}
+
+
 def make_hf_model(family: str, out_dir: str, seed: int = 0):
     """Save a random fp32 model of `family` to `out_dir`; return the model (eval mode)."""
     import transformers
 
-    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS, **VLLM_CPU}[family]
+    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS, **VLLM_CPU, **SYNC_VARIANTS}[family]
     cfg = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
