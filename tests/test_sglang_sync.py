@@ -274,7 +274,8 @@ def _case(rank, root, name, fam, trainer, tp, ep, kind):
     ps.destroy_model_parallel()
     out = dict(rounds=rounds, buckets=stats["buckets"], bytes=stats["bytes"], experts=experts,
                loaded=sorted(engine.loaded_names), payload=sorted(plan.payload_names(rank)),
-               all_tensors=sorted(plan.tensors))
+               all_tensors=sorted(plan.tensors),
+               shapes={n: list(p.shape) for n, p in synced.named_parameters()})
     if kind == "disk":
         out["disk_versions"] = sorted(os.listdir(os.path.join(root, "disk_sync")))
     return out
@@ -342,6 +343,20 @@ def test_disk_sync_keeps_only_the_version_the_engine_loaded(synced):
 
 def test_our_bucket_format_is_sglangs(synced):
     assert synced["bucket_format"] == dict(same_bytes=True, same_meta=True, round_trip=True)
+
+
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[-1] == "ipc"])
+def test_planner_engine_tensors_are_sglangs(synced, models, case):
+    """The memory planner's view of an engine rank (mcore_rl.memory.layout.engine_tensors) has
+    SGLang's own parameters, shapes and all (MLA's derived w_kc/w_vc aside)."""
+    from mcore_rl.memory.layout import engine_tensors, inventory
+
+    fam, _, tp, ep, _ = CASES[case]
+    hf = HFModel.from_dir(str(models / fam / "hf"))
+    for rank in (0, 1):
+        planned = {n: list(t.shape) for n, t in engine_tensors(hf, inventory(hf), tp=tp, ep=ep, rank=rank).items()
+                   if t.derived_from is None}
+        assert planned == synced[f"{case}.rank{rank}"]["shapes"]
 
 
 def test_experts_reach_only_their_engine_ranks(synced):
