@@ -74,6 +74,16 @@ def test_each_family_reads_its_own_expert_keys():
     assert not [n for n in names if "shared" in n] and "model.layers.0.mlp.experts.3.up_proj.weight" in names
 
 
+def test_sliding_window_is_refused_clearly():
+    from mcore_rl.models import HFModel, transformer_config
+
+    cfg = dict(model_type="qwen3_moe", num_hidden_layers=1, num_experts=4, num_experts_per_tok=2, hidden_size=64,
+               num_attention_heads=4, intermediate_size=128, moe_intermediate_size=32, vocab_size=256)
+    assert transformer_config(HFModel.from_dict(dict(cfg, sliding_window=4096)), cpu=True)  # unused: fine
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window=true .sliding_window=4096. is not supported"):
+        transformer_config(HFModel.from_dict(dict(cfg, use_sliding_window=True, sliding_window=4096)), cpu=True)
+
+
 def _shard(v3, tmp_path, n=2):
     """Re-save the model as `n` shards with an index, as hub checkpoints are."""
     d = tmp_path / "sharded"
