@@ -387,6 +387,7 @@ def test_a_gpu_engine_gets_the_planned_fraction_and_kv_tokens():
     plan, _ = plan_for_config(cfg, capacity=int(79 * GiB))
     args = S.engine_args(cfg, "/model", EngineLayout(1, 1, 1, 1), 0, None, *_engine_memory(cfg, plan))
     assert args["mem_fraction_static"] == plan.mem_fraction_static == 0.95
+    assert args["disable_shared_experts_fusion"]  # the layout the sync's read-back table describes
     assert args["max_total_tokens"] == plan.kv_tokens == plan.phases["rollout"]["engine kv cache"] // (576 * 2 * 2)
     assert "max_total_tokens" not in S.engine_args(cfg, "/model", EngineLayout(1, 1, 1, 1), 0, None,
                                                    *_engine_memory(cfg, None))
