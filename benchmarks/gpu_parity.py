@@ -22,7 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
-MOE = ("deepseek_v3", "deepseek_v2")
+MOE = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -161,8 +161,29 @@ def _tied_embeddings_cpu():
     LanguageModule.setup_embeddings_and_output_layer = cpu_setup
 
 
-# expert scores each group is ranked by (the sum of its top-n), while a router routes; None: megatron's own
-_GROUP_SCORE_TOPK: contextvars.ContextVar[int | None] = contextvars.ContextVar("group_score_topk", default=None)
+# the config of the router that is routing now (None outside TopKRouter.routing): read by the
+# routing patches below, which change megatron's functions for routers whose config asks for it
+_ROUTER_CONFIG: contextvars.ContextVar = contextvars.ContextVar("router_config", default=None)
+
+
+def _router_config_scope():
+    """TopKRouter.routing sets _ROUTER_CONFIG to its config while it runs (installed once)."""
+    from megatron.core.transformer.moe import router
+
+    routing = router.TopKRouter.routing
+    if getattr(routing, "_sets_router_config", False):
+        return
+
+    @functools.wraps(routing)
+    def routing_in_scope(self, *args, **kwargs):
+        token = _ROUTER_CONFIG.set(self.config)
+        try:
+            return routing(self, *args, **kwargs)
+        finally:
+            _ROUTER_CONFIG.reset(token)
+
+    routing_in_scope._sets_router_config = True
+    router.TopKRouter.routing = routing_in_scope
 
 
 def _deepseek_group_routing():
@@ -170,10 +191,10 @@ def _deepseek_group_routing():
     megatron-core takes n = topk / group_topk, DeepSeek-V3 n = 2 and DeepSeek-V2's
     group_limited_greedy n = 1 (the group's best expert), whatever the top-k. A router whose config
     carries `moe_router_group_score_topk` (mcore_rl.models.transformer_config sets it) ranks with that n."""
-    from megatron.core.transformer.moe import moe_utils, router
+    from megatron.core.transformer.moe import moe_utils
 
     def group_limited_topk(scores, topk, num_tokens, num_experts, num_groups, group_topk):
-        n = _GROUP_SCORE_TOPK.get() or topk // group_topk
+        n = getattr(_ROUTER_CONFIG.get(), "moe_router_group_score_topk", None) or topk // group_topk
         grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
         group_scores = grouped.topk(n, dim=-1).values.sum(dim=-1)
         chosen = group_scores.topk(group_topk, dim=-1, sorted=False).indices
@@ -181,18 +202,35 @@ def _deepseek_group_routing():
         masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
         return torch.topk(masked, k=topk, dim=-1)
 
-    routing = router.TopKRouter.routing
-
-    @functools.wraps(routing)
-    def routing_with_group_rule(self, *args, **kwargs):
-        token = _GROUP_SCORE_TOPK.set(getattr(self.config, "moe_router_group_score_topk", None))
-        try:
-            return routing(self, *args, **kwargs)
-        finally:
-            _GROUP_SCORE_TOPK.reset(token)
-
     moe_utils.group_limited_topk = group_limited_topk  # looked up by name when the top-k is taken
-    router.TopKRouter.routing = routing_with_group_rule
+    _router_config_scope()
+
+
+def _sigmoid_topk_without_norm():
+    """DeepSeek-V3 and GLM-4.5 configs with norm_topk_prob=false weight each chosen expert by its
+    sigmoid score times routed_scaling_factor; megatron-core always divides the top-k sigmoid
+    scores by their sum. A router whose config carries `moe_router_sigmoid_norm_topk = False`
+    (mcore_rl.models.transformer_config sets it) keeps megatron's choice of experts (groups,
+    expert bias, router replay) and takes the unnormalised scores."""
+    from megatron.core.transformer.moe import router
+
+    topk_routing = router.topk_routing_with_score_function
+
+    @functools.wraps(topk_routing)
+    def routing_maybe_unnormalised(logits, topk, *args, **kwargs):
+        probs, routing_map = topk_routing(logits, topk, *args, **kwargs)
+        keep_norm = getattr(_ROUTER_CONFIG.get(), "moe_router_sigmoid_norm_topk", True) is not False
+        if keep_norm or kwargs.get("score_function") != "sigmoid":
+            return probs, routing_map
+        # what megatron computes before it normalises: sigmoid in fp32, cast back, times the scale
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        scale = kwargs.get("scaling_factor")
+        if scale:
+            scores = scores * scale
+        return torch.where(routing_map, scores, torch.zeros_like(scores)), routing_map
+
+    router.topk_routing_with_score_function = routing_maybe_unnormalised  # router.py imported it by name
+    _router_config_scope()
 
 
 def _expert_bias_padding_mask():
@@ -295,6 +333,8 @@ PATCHES = (
     Patch("deepseek_group_routing", "megatron ranks expert groups by top-(topk/group_topk) sums, "
           "DeepSeek-V3 by top-2 sums and DeepSeek-V2 by the group's best score",
           _deepseek_group_routing),
+    Patch("sigmoid_topk_without_norm", "megatron renormalises sigmoid top-k weights; DeepSeek-V3 and "
+          "GLM-4.5 with norm_topk_prob=false do not", _sigmoid_topk_without_norm),
     Patch("mla_no_te", "MLA believes TE is present when TE's import was replaced by a MagicMock",
           _mla_no_te),
     Patch("moe_gemm_no_te", "moe_utils calls te_general_gemm, undefined when TE is absent",

@@ -736,6 +736,17 @@ def _check_vllm(cfg: Config, errors: list[str], hf: dict | None) -> None:
                       "to a multiple of 32, and weight updates then fail; use a multiple of 32")
 
 
+def _check_sglang(errors: list[str], hf: dict | None) -> None:
+    """Models SGLang's own classes build differently from the checkpoint."""
+    if hf and hf.get("model_type") == "qwen3_moe" and (hf.get("mlp_only_layers") or
+                                                        (hf.get("decoder_sparse_step") or 1) != 1):
+        # sglang/srt/models/qwen3_moe.py: "Qwen3MoE all layers are sparse" (0.5.20); it would build
+        # experts where the checkpoint has a dense MLP
+        errors.append("SGLang's Qwen3MoeForCausalLM makes every layer sparse; this model has dense layers "
+                      f"(mlp_only_layers={hf.get('mlp_only_layers')}, decoder_sparse_step="
+                      f"{hf.get('decoder_sparse_step')}): use rollout.engine=embedded")
+
+
 def _check_algorithm(cfg: Config, errors: list[str]) -> None:
     alg, a, r, d = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data
     if alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
@@ -833,6 +844,8 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     sound = _check_model(cfg, errors, hf)
     if cfg.rollout.engine == "vllm":
         _check_vllm(cfg, errors, hf if sound else None)
+    if cfg.rollout.engine == "sglang" and sound:
+        _check_sglang(errors, hf)
     _check_algorithm(cfg, errors)
     _check_corrections(cfg, errors)
     if errors:

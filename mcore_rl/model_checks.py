@@ -8,7 +8,7 @@ here reads: the model is built without them, so they are named in a warning, nev
 
 from __future__ import annotations
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "llama", "qwen2", "qwen3")
+SUPPORTED = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe", "llama", "qwen2", "qwen3")
 MLA = ("deepseek_v3", "deepseek_v2")
 
 # every model needs these; a config.json must carry them (an embedded hf_config may leave them to
@@ -17,8 +17,9 @@ COMMON_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab
 MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MOE_KEYS = ("moe_intermediate_size", "num_experts_per_tok")
 # integer sizes that must be >= 1 where present (None allowed for the optional ones)
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")  # DeepSeek/GLM, Qwen3-MoE, transformers 5
 POSITIVE = (*COMMON_KEYS, *MLA_KEYS, *MOE_KEYS, "num_key_value_heads", "head_dim", "q_lora_rank",
-            "n_routed_experts")
+            *EXPERT_COUNT_KEYS)
 
 # keys the builder, converters, planner or engines read
 READ_KEYS = {
@@ -30,6 +31,8 @@ READ_KEYS = {
     "num_nextn_predict_layers",  # MTP layers: skipped with a message by the converter
     "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",  # checked below
     "qk_head_dim", "rope_interleave",  # checked below: what the builder assumes
+    "num_experts", "num_local_experts", "decoder_sparse_step", "mlp_only_layers",  # qwen3_moe
+    "partial_rotary_factor", "use_qk_norm",  # glm4_moe
 }
 # keys that do not change the model's function (metadata, inference-time or training-loss settings)
 INERT_KEYS = {
@@ -53,7 +56,8 @@ def hf_config_problems(cfg: dict, *, complete: bool) -> list[str]:
     model_type = cfg.get("model_type")
     if unknown_type(model_type):
         return [unknown_type(model_type)]
-    mla, moe = model_type in MLA, bool(cfg.get("n_routed_experts"))
+    experts = next((cfg[k] for k in EXPERT_COUNT_KEYS if cfg.get(k)), None)
+    mla, moe = model_type in MLA, bool(experts)
     needed = [*COMMON_KEYS, *(MLA_KEYS if mla else ()), *(MOE_KEYS if moe else ())]
     absent = [k for k in needed if cfg.get(k) is None]
     problems = [f"lacks {', '.join(absent)}"] if complete and absent else []
@@ -69,9 +73,9 @@ def hf_config_problems(cfg: dict, *, complete: bool) -> list[str]:
                         "(give head_dim, or change either)")
     if not mla and heads and kv and heads % kv:
         problems.append(f"num_key_value_heads = {kv} does not divide num_attention_heads = {heads}")
-    experts, k = cfg.get("n_routed_experts"), cfg.get("num_experts_per_tok")
+    k = cfg.get("num_experts_per_tok")
     if experts and k and k > experts:
-        problems.append(f"num_experts_per_tok = {k} exceeds n_routed_experts = {experts}")
+        problems.append(f"num_experts_per_tok = {k} exceeds the {experts} routed experts")
     if mla and cfg.get("qk_head_dim") is not None and None not in (nope := cfg.get("qk_nope_head_dim"),
                                                                    rope := cfg.get("qk_rope_head_dim")) \
             and cfg["qk_head_dim"] != nope + rope:

@@ -66,7 +66,14 @@ def build_model(hf_dir: str):
         cls = sglang_module("sglang.srt.models.deepseek_v2").DeepseekV2ForCausalLM
     elif cfg.model_type == "qwen2":
         cls = sglang_module("sglang.srt.models.qwen2").Qwen2ForCausalLM
+    elif cfg.model_type == "qwen3_moe":
+        cls = sglang_module("sglang.srt.models.qwen3_moe").Qwen3MoeForCausalLM
+    elif cfg.model_type == "glm4_moe":
+        cls = sglang_module("sglang.srt.models.glm4_moe").Glm4MoeForCausalLM
     else:
         raise ValueError(f"no SGLang reference class wired for {cfg.model_type}")
+    # as SGLang's loader does before it builds a model: decide whether the shared experts are fused
+    # into the routed ones (on CPU, DeepSeek's and GLM's gates say no, as in the real engine)
+    sglang_module("sglang.srt.layers.moe.utils").install_shared_experts_fusion_decision(cls, cfg, None)
     with torch.device("cpu"):
         return cls(cfg)

@@ -199,3 +199,14 @@ def test_routing_replay_is_refused_where_no_routes_come_back():
             (["rollout.return_routed_experts=false"], "needs rollout.return_routed_experts: true"),
             (["model.hf_config.n_routed_experts=0", "parallel.ep=1"], "the model has no routed experts")):
         assert line in errors_of(["actor.routing_replay=true", *overrides], tiny)
+
+
+def test_sglang_refuses_qwen3_moe_dense_layers():
+    """SGLang's Qwen3MoeForCausalLM builds every layer sparse: a checkpoint with dense layers is
+    refused before anything starts (the embedded engine samples it)."""
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    qwen = ["model.hf_config.model_type=qwen3_moe", "model.hf_config.num_experts=4"]
+    msg = errors_of([*qwen, "model.hf_config.mlp_only_layers=[0]"], path=tiny)
+    assert "SGLang's Qwen3MoeForCausalLM makes every layer sparse" in msg and "mlp_only_layers=[0]" in msg
+    assert load_config(tiny, qwen) and load_config(tiny, [*qwen, "model.hf_config.mlp_only_layers=[0]",
+                                                          "rollout.engine=embedded"])

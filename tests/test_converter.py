@@ -60,6 +60,30 @@ def test_unknown_model_type(v3, tmp_path):
     _assert_no_output(str(tmp_path / "ck"))
 
 
+def test_each_family_reads_its_own_expert_keys():
+    """Qwen3-MoE counts experts under its own keys and has no shared expert, as transformers' model:
+    keys of DeepSeek's in its config (n_routed_experts, n_shared_experts) change nothing."""
+    from converters.mappings import mapping_for
+    from mcore_rl.models import HFModel
+
+    cfg = dict(model_type="qwen3_moe", num_hidden_layers=1, num_experts=4, n_routed_experts=9,
+               n_shared_experts=1, first_k_dense_replace=1)
+    m = HFModel.from_dict(cfg)
+    assert (m.num_experts, m.num_shared_experts, m.is_moe_layer(0)) == (4, 0, True)
+    names = [h for p in mapping_for(m).params(m) for h in p.hf]
+    assert not [n for n in names if "shared" in n] and "model.layers.0.mlp.experts.3.up_proj.weight" in names
+
+
+def test_sliding_window_is_refused_clearly():
+    from mcore_rl.models import HFModel, transformer_config
+
+    cfg = dict(model_type="qwen3_moe", num_hidden_layers=1, num_experts=4, num_experts_per_tok=2, hidden_size=64,
+               num_attention_heads=4, intermediate_size=128, moe_intermediate_size=32, vocab_size=256)
+    assert transformer_config(HFModel.from_dict(dict(cfg, sliding_window=4096)), cpu=True)  # unused: fine
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window=true .sliding_window=4096. is not supported"):
+        transformer_config(HFModel.from_dict(dict(cfg, use_sliding_window=True, sliding_window=4096)), cpu=True)
+
+
 def _shard(v3, tmp_path, n=2):
     """Re-save the model as `n` shards with an index, as hub checkpoints are."""
     d = tmp_path / "sharded"
@@ -207,16 +231,41 @@ def test_dtype_casts_on_purpose_and_the_config_says_so(v3, tmp_path):
     assert json.loads((back16 / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_cli_round_trip(v3, tmp_path):
+def _cli(*a):
     env = dict(os.environ, MCORE_RL_NO_PROGRESS="1")
+    return subprocess.run([sys.executable, "-m", "converters", *a], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_round_trip(v3, tmp_path):
     ck, back = tmp_path / "ck", tmp_path / "back"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "converters", *a], env=env,  # noqa: E731
-                                    capture_output=True, text=True, timeout=300)
-    r = run("hf-to-mcore", "--hf", str(v3), "--out", str(ck), "--tp", "2", "--ep", "2")  # fp32 kept
+    r = _cli("hf-to-mcore", "--hf", str(v3), "--out", str(ck), "--tp", "2", "--ep", "2")  # fp32 kept
     assert r.returncode == 0, r.stderr
-    r = run("mcore-to-hf", "--ckpt", str(ck), "--out", str(back))
+    r = _cli("mcore-to-hf", "--ckpt", str(ck), "--out", str(back))
     assert r.returncode == 0, r.stderr
     a, b = load_file(str(v3 / "model.safetensors")), load_file(str(back / "model-00001-of-00001.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    r = run("hf-to-mcore", "--hf", str(v3), "--out", str(tmp_path / "x"), "--ep", "3")
+    r = _cli("hf-to-mcore", "--hf", str(v3), "--out", str(tmp_path / "x"), "--ep", "3")
     assert r.returncode == 2 and "ep=3 does not divide n_routed_experts=8" in r.stderr
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "glm4_moe"])
+def test_cli_round_trip_other_moe_families(tmp_path, fam):
+    """Qwen3-MoE and GLM-4.5 through the CLI, at TP=2 x PP=2 x EP=2 (megatron's own save and load at
+    that layout: tests/test_parity.py); GLM's MTP layer (num_nextn_predict_layers) is skipped with a
+    note and left out of the export."""
+    hf, ck, back = tmp_path / "hf", tmp_path / "ck", tmp_path / "back"
+    make_hf_model(fam, str(hf))
+    a = load_file(str(hf / "model.safetensors"))
+    if fam == "glm4_moe":  # the hub checkpoint's MTP layer: one more layer index, as GLM-4.5 ships it
+        mtp = {k.replace("layers.2.", "layers.3."): v.clone() for k, v in a.items() if "layers.2." in k}
+        mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+        save_file({**a, **mtp}, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    r = _cli("hf-to-mcore", "--hf", str(hf), "--out", str(ck), "--tp", "2", "--pp", "2", "--ep", "2")
+    assert r.returncode == 0, r.stderr
+    if fam == "glm4_moe":
+        assert f"skipping {len(mtp)} multi-token-prediction tensors (layers [3])" in r.stderr, r.stderr
+    r = _cli("mcore-to-hf", "--ckpt", str(ck), "--out", str(back))
+    assert r.returncode == 0, r.stderr
+    b = load_file(str(back / "model-00001-of-00001.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from mcore_rl.memory.gpus import GpuSelectionError, parse_visible, plan_capacity
+from mcore_rl.memory.layout import inventory
 from mcore_rl.memory.planner import GiB, PlanError, PlanInputs, make_plan, trainer_bytes
 from mcore_rl.models.config import HFModel
 
@@ -254,12 +255,37 @@ def test_cli_prints_the_table_and_refuses_a_small_gpu():
     assert bad.returncode == 2 and "memory.gpu_memory_gb must be > 0" in bad.stderr
 
 
-def test_v3_config_fits_with_its_layout():
+@pytest.mark.parametrize("name", ["deepseek_v3_671b", "qwen3_30b_a3b", "glm45_air"])
+def test_config_fits_with_its_layout(name):
     from mcore_rl.config import load_config
     from mcore_rl.plan import plan_for_config
 
-    plan, _ = plan_for_config(load_config(V3_YAML), capacity=int(80 * GiB))
+    plan, _ = plan_for_config(load_config(os.path.join(ROOT, "configs", f"{name}.yaml")), capacity=int(80 * GiB))
     assert all(plan.total(ph) <= plan.inputs.capacity for ph in plan.phases)
+
+
+def gqa_moe_params(c: dict) -> int:
+    """Qwen3-MoE / GLM-4.5 parameters from the HF config numbers (untied, every layer but GLM's first
+    first_k_dense_replace sparse; the expert bias counted with GLM's router)."""
+    H, d, heads, kv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+    E = c.get("n_routed_experts") or c["num_experts"]
+    attn = 2 * H + (heads + 2 * kv) * d * H + H * heads * d
+    attn += (heads + 2 * kv) * d if c.get("attention_bias") else 0
+    attn += 2 * d if c["model_type"] == "qwen3_moe" or c.get("use_qk_norm") else 0
+    moe = E * H + 3 * (E + c.get("n_shared_experts", 0)) * c["moe_intermediate_size"] * H
+    moe += E if c["model_type"] == "glm4_moe" else 0  # the expert bias
+    dense = c.get("first_k_dense_replace", 0)
+    layers = c["num_hidden_layers"]
+    return 2 * c["vocab_size"] * H + H + layers * attn + (layers - dense) * moe + dense * 3 * c["intermediate_size"] * H
+
+
+@pytest.mark.parametrize("name,billions", [("qwen3_30b_a3b", 30.5), ("glm45_air", 106.9)])
+def test_inventory_of_gqa_moe_families(name, billions):
+    """megatron's own model (the planner's inventory) holds exactly the HF model's parameters, and
+    as many as the model cards say (GLM-4.5-Air without its MTP layer)."""
+    c = hf_of(os.path.join(ROOT, "configs", f"{name}.yaml"))
+    total = sum(w.numel for w in inventory(HFModel.from_dict(c)))
+    assert total == gqa_moe_params(c) and round(total / 1e9, 1) == billions
 
 
 # ----------------------------------------------------------------------------- GPUs
@@ -317,7 +343,7 @@ def test_rank_counts_match_megatron_models_built_at_each_layout(tmp_path):
     """Per-rank parameter counts against megatron-core's own models at EP2, PP2, TP2 x ETP2."""
     import json
 
-    from mcore_rl.memory.layout import inventory, megatron_rank_numel
+    from mcore_rl.memory.layout import megatron_rank_numel
     from tests.distributed import run
     from tests.tiny_models import FAMILIES
 
@@ -361,6 +387,7 @@ def test_a_gpu_engine_gets_the_planned_fraction_and_kv_tokens():
     plan, _ = plan_for_config(cfg, capacity=int(79 * GiB))
     args = S.engine_args(cfg, "/model", EngineLayout(1, 1, 1, 1), 0, None, *_engine_memory(cfg, plan))
     assert args["mem_fraction_static"] == plan.mem_fraction_static == 0.95
+    assert args["disable_shared_experts_fusion"]  # the layout the sync's read-back table describes
     assert args["max_total_tokens"] == plan.kv_tokens == plan.phases["rollout"]["engine kv cache"] // (576 * 2 * 2)
     assert "max_total_tokens" not in S.engine_args(cfg, "/model", EngineLayout(1, 1, 1, 1), 0, None,
                                                    *_engine_memory(cfg, None))

@@ -18,7 +18,7 @@ from converters.merge import ValidationFailed, merge
 from tests import distributed
 from tests.tiny_models import make_hf_model
 
-FSDP_FAMILIES = ("llama", "qwen2", "deepseek_v3")
+FSDP_FAMILIES = ("llama", "qwen2", "deepseek_v3", "glm4_moe")  # glm4_moe: experts fused in memory
 FSDP4_FAMILIES = ("llama", "deepseek_v3")  # 4 processes cost more on 2 cores: tied + MoE cases
 LORA_FAMILY, LORA_RANK, LORA_ALPHA = "qwen2", 4, 8
 MEGATRON_LAYOUTS = {"tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}

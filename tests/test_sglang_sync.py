@@ -1,12 +1,14 @@
 """Megatron -> SGLang weight sync against SGLang's own model, loader and wire classes.
 
 Two gloo processes each hold a megatron rank (loaded through our converter) and an SGLang rank
-(SGLang's real DeepseekV2ForCausalLM / Qwen2ForCausalLM; SGLang as installed in the venv, with the
-CPU stand-ins of mcore_rl.rollout.sglang_cpu). Weights go through our plan, gather and transports
-(CudaIpcTransport with SGLang's FlattenedTensorMetadata, read back by its MultiprocessingSerializer;
-update-group broadcast; disk) into SGLang's WeightUpdater, exactly as its TpModelWorker does; the
-result must equal the same SGLang model loaded straight from the HF files, bit for bit. Layouts
-that cannot run here (TP16 over 2 nodes, EP8) are checked as plans.
+(SGLang's real DeepseekV2ForCausalLM / Qwen2ForCausalLM / Qwen3MoeForCausalLM / Glm4MoeForCausalLM;
+SGLang as installed in the venv, with the CPU stand-ins of mcore_rl.rollout.sglang_cpu). Weights
+go through our plan, gather and transports (CudaIpcTransport with SGLang's FlattenedTensorMetadata,
+read back by its MultiprocessingSerializer; update-group broadcast; disk) into SGLang's
+WeightUpdater, exactly as its TpModelWorker does; the result must equal the same SGLang model
+loaded straight from the HF files, bit for bit, and colocated, the digests a verified sync expects
+(the engine-layout table) must be SGLang's. Layouts that cannot run here (TP16 over 2 nodes, EP8)
+are checked as plans.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ CASES = {  # name: (family, trainer layout, engine tp, engine ep, transport)
     "ds_tp2": ("deepseek_v3", Layout(tp=2), 2, 1, "ipc"),
     "ds_tp2ep2_from_ep2": ("deepseek_v3", Layout(ep=2), 2, 2, "ipc"),
     "qwen2_tp2": ("qwen2", Layout(tp=2), 2, 1, "ipc"),
+    "qwen3moe_tp2ep2_from_ep2": ("qwen3_moe_one_kv_head", Layout(ep=2), 2, 2, "ipc"),  # KV head replicated
+    "glm_tp2_from_tp2": ("glm4_moe", Layout(tp=2), 2, 1, "ipc"),
     "ds_tp2ep2_broadcast": ("deepseek_v3", Layout(ep=2), 2, 2, "broadcast"),  # gloo stands in for NCCL
     "ds_tp2_disk": ("deepseek_v3", Layout(tp=2), 2, 1, "disk"),  # synced twice: versions replace each other
 }
@@ -221,7 +225,7 @@ def _sglang_model(hf_dir: str, scale: float | None = None):
     return model
 
 
-def _case(rank, root, fam, trainer, tp, ep, kind):
+def _case(rank, root, name, fam, trainer, tp, ep, kind):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from sglang.srt.distributed import parallel_state as sps
@@ -229,7 +233,9 @@ def _case(rank, root, fam, trainer, tp, ep, kind):
     from mcore_rl.checkpoint import load_model
     from mcore_rl.models import build_model, transformer_config
     from mcore_rl.parallel import init_distributed
+    from mcore_rl.rollout.sglang_plugin import weight_digests
     from mcore_rl.sync import LiveShards, sync_weights
+    from mcore_rl.sync.engine_layout import ExpectedDigests, compare_engine
 
     hf_dir = os.path.join(root, fam, "hf")
     hf = HFModel.from_dir(hf_dir)
@@ -251,11 +257,15 @@ def _case(rank, root, fam, trainer, tp, ep, kind):
             for t in shards.local.values():  # what the sync reads: parameters and the router's expert bias
                 t.mul_(scale)
         engine.loaded_names.clear()
-        stats = sync_weights(plan, shards, transport)
+        # colocated, each rank also accumulates the digests its engine rank must hold, as a verified
+        # sync does: the read-back table (engine_layout) must place every piece where SGLang has it
+        expected = ExpectedDigests(plan.engine, hf, [rank]) if kind == "ipc" else None
+        stats = sync_weights(plan, shards, transport, observe=expected.add if expected else None)
         dist.barrier()  # single source: other ranks return at once, while their engine thread still loads
         ref, got = _tensors(_sglang_model(hf_dir, scale=2.0 if rounds else 1.0)), _tensors(synced)
         differ = sorted(n for n in ref if n not in got or not torch.equal(ref[n], got[n]))
-        rounds.append(dict(tensors=len(ref), differ=differ[:10], n_differ=len(differ)))
+        readback = compare_engine(expected.digests, {rank: weight_digests(synced)}, name) if expected else []
+        rounds.append(dict(tensors=len(ref), differ=differ[:10], n_differ=len(differ), readback=readback[:10]))
     engine.stop()
     if kind == "broadcast":
         engine.updater.destroy_weights_update_group("weight_update_group")
@@ -264,7 +274,8 @@ def _case(rank, root, fam, trainer, tp, ep, kind):
     ps.destroy_model_parallel()
     out = dict(rounds=rounds, buckets=stats["buckets"], bytes=stats["bytes"], experts=experts,
                loaded=sorted(engine.loaded_names), payload=sorted(plan.payload_names(rank)),
-               all_tensors=sorted(plan.tensors))
+               all_tensors=sorted(plan.tensors),
+               shapes={n: list(p.shape) for n, p in synced.named_parameters()})
     if kind == "disk":
         out["disk_versions"] = sorted(os.listdir(os.path.join(root, "disk_sync")))
     return out
@@ -295,7 +306,7 @@ def _worker(rank, root, out):
         with open(os.path.join(out, "bucket_format.json"), "w") as f:
             json.dump(_bucket_format_matches_sglang(), f)
     for name, (fam, trainer, tp, ep, kind) in CASES.items():
-        r = _case(rank, root, fam, trainer, tp, ep, kind)
+        r = _case(rank, root, name, fam, trainer, tp, ep, kind)
         with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(r, f)
 
@@ -314,6 +325,7 @@ def test_sync_is_bit_exact_against_sglang_loading_hf(synced, case):
         r = synced[f"{case}.rank{rank}"]
         for i, rnd in enumerate(r["rounds"]):
             assert rnd["n_differ"] == 0 and rnd["tensors"] > 10, (case, rank, i, rnd["differ"])
+            assert not rnd["readback"], (case, rank, i, rnd["readback"])
         assert r["buckets"] > 3, r  # the small bucket size forced real bucketing
         if kind == "ipc":  # each engine rank loads its own payload
             assert r["loaded"] == r["payload"]
@@ -331,6 +343,20 @@ def test_disk_sync_keeps_only_the_version_the_engine_loaded(synced):
 
 def test_our_bucket_format_is_sglangs(synced):
     assert synced["bucket_format"] == dict(same_bytes=True, same_meta=True, round_trip=True)
+
+
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[-1] == "ipc"])
+def test_planner_engine_tensors_are_sglangs(synced, models, case):
+    """The memory planner's view of an engine rank (mcore_rl.memory.layout.engine_tensors) has
+    SGLang's own parameters, shapes and all (MLA's derived w_kc/w_vc aside)."""
+    from mcore_rl.memory.layout import engine_tensors, inventory
+
+    fam, _, tp, ep, _ = CASES[case]
+    hf = HFModel.from_dir(str(models / fam / "hf"))
+    for rank in (0, 1):
+        planned = {n: list(t.shape) for n, t in engine_tensors(hf, inventory(hf), tp=tp, ep=ep, rank=rank).items()
+                   if t.derived_from is None}
+        assert planned == synced[f"{case}.rank{rank}"]["shapes"]
 
 
 def test_experts_reach_only_their_engine_ranks(synced):

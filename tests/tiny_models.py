@@ -20,6 +20,19 @@ FAMILIES = {
         COMMON, **MOE, num_hidden_layers=3, n_shared_experts=2, num_experts_per_tok=2, n_group=1,
         topk_group=1, first_k_dense_replace=1, q_lora_rank=None, topk_method="greedy",
         routed_scaling_factor=1.0)),
+    # Qwen3-MoE shape: GQA with head_dim independent of hidden/heads, q/k norms, softmax top-k
+    # renormalised, no shared expert; every layer sparse (SGLang 0.5.20's Qwen3MoeForCausalLM
+    # builds no dense layer, so the model the engine tests run has none)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    # GLM-4.5 shape: GQA with q/k/v bias and q/k norms, half the head dims rotated, sigmoid routing
+    # with expert bias and groups, a shared expert, a dense first layer, scaled weights
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True)),
     "qwen2": ("Qwen2Config", dict(COMMON, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2)),
     "qwen3": ("Qwen3Config", dict(COMMON, num_hidden_layers=2, num_attention_heads=4,
@@ -28,10 +41,16 @@ FAMILIES = {
                                   num_key_value_heads=2, tie_word_embeddings=True)),
 }
 
-# group-limited routing where megatron-core's own group ranking (top k/topk_group sums) is not
-# DeepSeek's: V3 ranks by top-2 sums (here megatron would take top-1), V2's group_limited_greedy by
-# the group's best score (here megatron would take top-2 sums), and V2's greedy ignores the groups
+# routing where megatron-core's own is not the model's: group-limited routing (megatron ranks groups
+# by top k/topk_group sums; V3 by top-2 sums (here megatron would take top-1), V2's
+# group_limited_greedy by the group's best score (here megatron would take top-2 sums), V2's greedy
+# ignores the groups); sigmoid top-k weights left unnormalised (norm_topk_prob=false; megatron
+# always normalises them); Qwen3-MoE's dense layers anywhere with softmax weights not renormalised
 ROUTING_VARIANTS = {
+    "deepseek_v3_no_norm": ("DeepseekV3Config", dict(FAMILIES["deepseek_v3"][1], norm_topk_prob=False)),
+    "qwen3_moe_dense_layers": ("Qwen3MoeConfig", dict(
+        FAMILIES["qwen3_moe"][1], num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2,
+        norm_topk_prob=False)),
     "deepseek_v3_groups": ("DeepseekV3Config", dict(
         FAMILIES["deepseek_v3"][1], n_routed_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3)),
     "deepseek_v2_groups": ("DeepseekV2Config", dict(
@@ -50,11 +69,17 @@ VLLM_CPU = {
 }
 
 
+# fewer KV heads than engine TP ranks: SGLang replicates them (Qwen3-30B-A3B: 4 heads over TP 8)
+SYNC_VARIANTS = {
+    "qwen3_moe_one_kv_head": ("Qwen3MoeConfig", dict(FAMILIES["qwen3_moe"][1], num_key_value_heads=1)),
+}
+
+
 def make_hf_model(family: str, out_dir: str, seed: int = 0):
     """Save a random fp32 model of `family` to `out_dir`; return the model (eval mode)."""
     import transformers
 
-    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS, **VLLM_CPU}[family]
+    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS, **VLLM_CPU, **SYNC_VARIANTS}[family]
     cfg = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()

@@ -1,10 +1,10 @@
 """One declarative mapping per architecture; `mapping_for` picks it from an HF config."""
 
-from converters.mappings.architectures import DEEPSEEK, DENSE
+from converters.mappings.architectures import DEEPSEEK, DENSE, GLM4_MOE, QWEN3_MOE
 from converters.mappings.base import Mapping, Param, Rule
 from mcore_rl.models.config import HFModel, UnsupportedModelError
 
-MAPPINGS = (DEEPSEEK, DENSE)
+MAPPINGS = (DEEPSEEK, QWEN3_MOE, GLM4_MOE, DENSE)
 
 
 def mapping_for(m: HFModel) -> Mapping:

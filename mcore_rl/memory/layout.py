@@ -8,7 +8,8 @@ tensor is split:
 - megatron: `linear_*`, word embeddings and the output layer are split over TP (experts over
   expert-TP, `etp`), routed experts are spread over EP, layers over PP stages; norms and the router
   are replicated; the router's expert bias is an fp32 buffer (no gradient, no optimizer state).
-- SGLang (DeepseekV2ForCausalLM and the Llama/Qwen models), as the sync's table
+- SGLang (DeepseekV2ForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM and the Llama/Qwen
+  models), as the sync's table
   (`mcore_rl.sync.engine_layout.SGLANG_RULES`) places them: embeddings and lm_head are vocab-split
   over tp, q_a/kv_a projections are replicated (fused into `fused_qkv_a_proj_with_mqa` with
   q_lora), column-parallel weights are split on dim 0 and row-parallel ones (o_proj, down_proj)
@@ -26,9 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 from mcore_rl.models.config import HFModel
-
-FP32_HF = ("e_score_correction_bias",)  # kept in fp32 by HF, megatron and SGLang alike
-
 
 @dataclass(frozen=True)
 class Weight:
@@ -163,6 +161,8 @@ def _engine_shard(hf: HFModel, hf_name: str, tp: int, ep: int, rank: int):
 def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
                    dtype: torch.dtype = torch.bfloat16) -> dict[str, EngineTensor]:
     """The SGLang model's tensors on engine rank `rank` (experts: the rank's contiguous block)."""
+    from mcore_rl.sync.engine_layout import keeps_fp32
+
     ep_rank = rank // (tp // ep)
     per_ep = hf.num_experts // ep if hf.num_experts else 0
     mine = range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
@@ -177,7 +177,7 @@ def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
             local = list(shape)
             if dim is not None:
                 local[dim] //= parts
-            tdtype = torch.float32 if any(k in hf_name for k in FP32_HF) else dtype
+            tdtype = torch.float32 if keeps_fp32(hf_name, hf) else dtype
             t = out.setdefault(name, EngineTensor(name, tdtype))
             slot = None if expert is None else expert - mine.start
             t.pieces.append((hf_name, dim, parts, index, slot if slot is not None else -1))

@@ -281,7 +281,7 @@ def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
     def selective(layer: int) -> int:  # what rerunning recompute_modules in backward leaves stored
         a = full(layer)
         if hf.is_moe_layer(layer) and "moe" in i.recompute_modules:
-            shared = (hf.get("n_shared_experts") or 0) * hf.moe_intermediate_size
+            shared = hf.num_shared_experts * hf.moe_intermediate_size
             a -= T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
             a -= T * (8 * shared + 16 * E) // i.tp
         elif not hf.is_moe_layer(layer) and "mlp" in i.recompute_modules:

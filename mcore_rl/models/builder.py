@@ -93,14 +93,17 @@ def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_pr
     from megatron.core.models.gpt import GPTModel
 
     applied = compat.apply()
-    if getattr(config, "moe_router_group_score_topk", None) and "deepseek_group_routing" not in applied:
-        raise UnsupportedModelError(f"group-limited routing needs compat's deepseek_group_routing patch, "
-                                    f"not written for megatron-core {compat.megatron_version()}")
+    for needed, field, what in (("deepseek_group_routing", "moe_router_group_score_topk", "group-limited routing"),
+                                ("sigmoid_topk_without_norm", "moe_router_sigmoid_norm_topk",
+                                 "sigmoid routing with norm_topk_prob=false")):
+        if getattr(config, field, None) is not None and needed not in applied:
+            raise UnsupportedModelError(f"{what} needs compat's {needed} patch, not written for "
+                                        f"megatron-core {compat.megatron_version()}")
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    rope = dict(position_embedding_type="rope", rotary_base=_rope_theta(hf))
+    rope = dict(position_embedding_type="rope", rotary_base=_rope_theta(hf), rotary_percent=hf.rotary_fraction)
     rs = _rope_scaling(hf)
     if rs and not hf.is_mla:
         if rs["rope_type"] != "llama3" or (rs.get("low_freq_factor", 1), rs.get("high_freq_factor", 4),

@@ -66,7 +66,38 @@ class HFModel:
 
     @property
     def num_experts(self) -> int:
+        # each family's own key, as its transformers model reads it (a stray key of another family's
+        # is ignored there too): Qwen3-MoE hub configs say num_experts, transformers 5 writes
+        # num_local_experts; DeepSeek and GLM say n_routed_experts
+        if self.model_type == "qwen3_moe":
+            return int(self.get("num_experts") or self.get("num_local_experts") or 0)
         return int(self.get("n_routed_experts") or 0)
+
+    @property
+    def num_shared_experts(self) -> int:
+        """Shared experts per MoE layer (Qwen3-MoE has none, whatever its config carries)."""
+        return 0 if self.model_type == "qwen3_moe" else int(self.get("n_shared_experts") or 0)
+
+    @property
+    def sigmoid_routing(self) -> bool:
+        """DeepSeek-V3's router (GLM-4.5's too): sigmoid scores, the e_score_correction_bias
+        choosing, groups ranked by their top-2 sums (transformers ignores scoring_func)."""
+        return self.model_type in ("deepseek_v3", "glm4_moe")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or bool(self.get("attention_bias", False))
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE: always in Qwen3, optional in GLM-4.5."""
+        return self.model_type in ("qwen3", "qwen3_moe") or bool(self.get("use_qk_norm", False))
+
+    @property
+    def rotary_fraction(self) -> float:
+        """The share of each head's dims that RoPE rotates (GLM-4.5: the first half)."""
+        rp = self.get("rope_parameters") or {}
+        return float(self.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 1.0)
 
     @property
     def q_lora(self) -> bool:
@@ -79,6 +110,9 @@ class HFModel:
     def is_moe_layer(self, layer: int) -> bool:
         if not self.num_experts:
             return False
+        if self.model_type == "qwen3_moe":  # dense layers anywhere, as transformers' Qwen3MoeDecoderLayer
+            return (layer not in (self.get("mlp_only_layers") or [])
+                    and (layer + 1) % (self.get("decoder_sparse_step") or 1) == 0)
         k = self.get("first_k_dense_replace", 0)
         freq = self.get("moe_layer_freq", 1)
         return layer >= k and layer % freq == 0
@@ -176,6 +210,10 @@ def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
     if groups and config.moe_router_num_groups:
         # not a megatron field: read by compat's deepseek_group_routing patch while routing
         config.moe_router_group_score_topk = groups[2]
+    if moe and m.sigmoid_routing and not m.get("norm_topk_prob", True) and m.num_experts_per_tok > 1:
+        # not a megatron field (megatron always renormalises sigmoid top-k weights): read by
+        # compat's sigmoid_topk_without_norm patch
+        config.moe_router_sigmoid_norm_topk = False
     return config
 
 
@@ -195,11 +233,14 @@ def _gqa_config(m: HFModel) -> dict[str, Any]:
     out = dict(
         num_query_groups=m.num_kv_heads,
         kv_channels=m.head_dim,
-        add_qkv_bias=m.model_type == "qwen2" or bool(m.get("attention_bias", False)),
-        qk_layernorm=m.model_type == "qwen3",
+        add_qkv_bias=m.qkv_bias,
+        qk_layernorm=m.qk_norm,
     )
     if m.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported")
+    if m.get("use_sliding_window") and m.get("sliding_window"):
+        raise UnsupportedModelError(f"{m.model_type} with use_sliding_window=true (sliding_window="
+                                    f"{m.get('sliding_window')}) is not supported: attention here is full causal")
     return out
 
 
@@ -239,7 +280,7 @@ def group_routing(m: HFModel) -> tuple[int, int, int] | None:
     """
     E, k = m.num_experts, m.num_experts_per_tok
     n_group, topk_group = m.get("n_group") or 1, m.get("topk_group") or 1
-    if m.model_type == "deepseek_v3":
+    if m.sigmoid_routing:
         n = 2
     elif m.get("topk_method", "greedy") == "group_limited_greedy":
         n = 1
@@ -263,9 +304,7 @@ def group_routing(m: HFModel) -> tuple[int, int, int] | None:
 
 def _moe_config(m: HFModel) -> dict[str, Any]:
     E, k = m.num_experts, m.num_experts_per_tok
-    if m.model_type == "deepseek_v3":  # sigmoid scores, expert bias (transformers ignores scoring_func)
-        if not m.get("norm_topk_prob", True) and k > 1:
-            raise UnsupportedModelError("sigmoid routing with norm_topk_prob=False is not supported")
+    if m.sigmoid_routing:
         routing = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                        moe_router_pre_softmax=False)
     else:
@@ -277,7 +316,7 @@ def _moe_config(m: HFModel) -> dict[str, Any]:
     groups = group_routing(m)
     scaling = float(m.get("routed_scaling_factor", 1.0) or 1.0)
     freq = [1 if m.is_moe_layer(i) else 0 for i in range(m.num_layers)]
-    shared = m.get("n_shared_experts") or 0
+    shared = m.num_shared_experts
     return dict(
         num_moe_experts=E,
         moe_router_topk=k,

@@ -92,14 +92,17 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
                 chunked_prefill_size=r.chunked_prefill_size, log_level=r.log_level)
     if dist_init_addr:
         args["dist_init_addr"] = dist_init_addr
-    if C.returns_routes(cfg, C.hf_config(model_dir)):
+    if C.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
         args.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
                     disable_cuda_graph=True, max_total_tokens=r.cpu_kv_tokens)
     else:
+        # disable_shared_experts_fusion: on GPUs SGLang may fold a shared expert into the routed ones
+        # (GLM-4.5, DeepSeek-V3 at EP 1); the sync's read-back table (sync/engine_layout.py) knows
+        # shared experts as their own parameters, as the CPU engine and EP > 1 always keep them
         args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
-                    cuda_graph_max_bs=r.cuda_graph_max_bs)
+                    cuda_graph_max_bs=r.cuda_graph_max_bs, disable_shared_experts_fusion=True)
         if r.seeded:  # its flashinfer sampler takes no seeds (mcore_rl.rollout.sglang_plugin)
             args["sampling_backend"] = "pytorch"
         if r.attention_backend:

@@ -70,6 +70,14 @@ SGLANG_RULES = (
 )
 
 
+def keeps_fp32(name: str, hf) -> bool:
+    """HF tensors the engine holds in fp32 whatever the model's dtype, so the sync sends them in
+    fp32: the expert bias (fp32 in HF, megatron and SGLang alike) and GLM-4.5's router weight
+    (SGLang's Glm4MoeGate is an fp32 parameter)."""
+    return name.endswith("e_score_correction_bias") or (
+        hf.model_type == "glm4_moe" and name.endswith(".mlp.gate.weight"))
+
+
 def _rule(name: str, hf) -> Place:
     generic = name
     if ".mlp.experts." in name:  # experts.{i}. -> experts.{E}.

@@ -199,14 +199,15 @@ class SyncPlan:
         if not single and (copies == 0 or fed != sorted(list(range(engine.tp_size)) * copies)):
             raise PlanError(f"engine ranks fed by the trainer are {fed}; need each of 0..{engine.tp_size - 1} "
                             "once per engine (mismatched GPU counts?)")
+        from mcore_rl.sync.engine_layout import keeps_fp32  # it imports this module
+
         params = list(mapping_for(hf).params(hf))
         stages = stage_layers(hf.num_layers, trainer.pp)
         coords = [trainer_coords(r, world, trainer) for r in range(world)]
         tensors, holders = {}, {}
         for p in params:
-            keep_fp32 = p.mcore.endswith("router.expert_bias")
             for h in p.hf:
-                tensors[h] = Tensor(h, hf_shape(hf, h), torch.float32 if keep_fp32 else dtype, p)
+                tensors[h] = Tensor(h, hf_shape(hf, h), torch.float32 if keeps_fp32(h, hf) else dtype, p)
             holders[p.mcore] = [r for r, (pp_rank, _, ep_rank) in enumerate(coords)
                                 if _holds(p, pp_rank, ep_rank, stages, hf, trainer)]
             if not holders[p.mcore]:
