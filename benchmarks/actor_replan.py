@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         print(f"{r['file'][:29]:<30}{r['run']:<16}{r['attention']:>10}{r['micro_tokens']:>7}{r['measured_gib']:>10.1f}"
               f"{r['recorded_plan_gib']:>10.1f}{r['plan_gib']:>10.1f}{r['err_pct']:>7.1f}")
     if args.out:
-        from benchmarks.actor_bench import write_json
+        from benchmarks.harness import write_json
 
         write_json({"rows": rows}, args.out)
     return 0
