@@ -89,10 +89,11 @@ def _cell(v, digits: int) -> str:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence], digits: int = 3) -> str:
-    """Rows under a header, the first column left-aligned and the rest right-aligned; floats to
-    `digits` decimals (smaller ones in e-notation), None as "-"."""
+    """Rows under a header: text columns left-aligned, numbers right-aligned; floats to `digits`
+    decimals (smaller ones in e-notation), None as "-"."""
     cells = [list(header)] + [[_cell(v, digits) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    text = [i == 0 or all(isinstance(r[i], str) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if text[i] else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in cells]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
