@@ -241,13 +241,17 @@ def memory_plan(cfg: C.Config):
     return plan
 
 
-def _quiet_ray_auth_notice() -> None:
+def _not_ray_auth_notice(record) -> bool:
     """Ray logs at WARNING level that a new local cluster uses token authentication, its default and
     nothing to act on; the opposite notice (authentication off) still shows."""
+    return "Token authentication is enabled" not in record.getMessage()
+
+
+def _quiet_ray_auth_notice() -> None:
     import logging
 
-    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
-        lambda record: "Token authentication is enabled" not in record.getMessage())
+    # addFilter keeps one copy of a filter however often a process starts Ray
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_not_ray_auth_notice)
 
 
 def _start_ray(cfg: C.Config) -> None:
