@@ -345,12 +345,12 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     B = cfg.data.train_batch_size
     per_epoch = len(train_task.prompts) // B if train_task else 1
     total = t.total_training_steps or (t.total_epochs * per_epoch if train_task else max(engine.steps))
-    console = StepConsole(total, start) if short else None
     before = dict(first_sync)  # logged at the step the run starts from
     if t.val_before_train and start == 0 and val_task:
         before.update(validate(cfg, engine, val_task))
-        if console:
-            console.note(f"validation reward before training: {before['val/reward']:.3f}")
+    console = StepConsole(total, start) if short else None  # its clock starts with the first step
+    if console and "val/reward" in before:
+        console.note(f"validation reward before training: {before['val/reward']:.3f}")
     if before:
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
