@@ -38,7 +38,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-GiB = 1 << 30
+from benchmarks.harness import GiB, write_json  # noqa: E402
+
 FAST_OFF = ["actor.packed_attention=sdpa", "actor.fused_logprobs=false", "actor.fused_adam=false",
             "actor.overlap_grad_reduce=false"]
 # name -> (config overrides, compat patches left out, memory run: fewer steps, no profile).
@@ -327,7 +328,7 @@ def parse(argv=None):
 def _spawned(target, nprocs: int, extra: tuple, count: int, on_result=None) -> list:
     """Start `nprocs` processes of `target` and collect `count` results, each passed to on_result as
     it arrives (raising if a process dies first)."""
-    from benchmarks.rl_sync import shutdown, wait_for
+    from benchmarks.harness import shutdown, wait_for
 
     results = torch.multiprocessing.get_context("spawn").Queue()
     ctx = torch.multiprocessing.start_processes(target, args=(*extra, results), nprocs=nprocs, join=False,
@@ -374,13 +375,6 @@ def run(args) -> dict:
             _spawned(worker, args.gpus, (args, names, skip, free_port(), hf_dir), args.gpus * len(names), collect)
     report["runs"] = {n: report["runs"][n] for n in args.names if n in report["runs"]}  # in the order asked for
     return report
-
-
-def write_json(report: dict, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
 
 
 def summarize(name: str, ranks: list[dict], args, peak: float, skip) -> dict:

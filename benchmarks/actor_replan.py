@@ -56,14 +56,12 @@ def main(argv=None) -> int:
     if missing:
         p.error(f"no such file: {missing[0]}")
     rows = [r for f in args.files for r in replan(f)]
-    head = f"{'file':<30}{'run':<16}{'attention':>10}{'T':>7}{'peak GiB':>10}{'plan then':>10}{'plan now':>10}{'err %':>7}"
-    print(head + "\n" + "-" * len(head))
-    for r in rows:
-        print(f"{r['file'][:29]:<30}{r['run']:<16}{r['attention']:>10}{r['micro_tokens']:>7}{r['measured_gib']:>10.1f}"
-              f"{r['recorded_plan_gib']:>10.1f}{r['plan_gib']:>10.1f}{r['err_pct']:>7.1f}")
-    if args.out:
-        from benchmarks.actor_bench import write_json
+    from benchmarks.harness import table, write_json
 
+    keys = ("file", "run", "attention", "micro_tokens", "measured_gib", "recorded_plan_gib", "plan_gib", "err_pct")
+    print(table(["file", "run", "attention", "T", "peak GiB", "plan then", "plan now", "err %"],
+                [[r[k] for k in keys] for r in rows], 1))
+    if args.out:
         write_json({"rows": rows}, args.out)
     return 0
 

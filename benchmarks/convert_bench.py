@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 import zlib
@@ -25,6 +24,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.harness import run_child, table, write_json  # noqa: E402
 
 
 def model_config(layers: int | None) -> dict:
@@ -61,16 +62,6 @@ def write_hf(out: str, cfg: dict) -> int:
     return sum(e.nbytes for e in plan)
 
 
-def timed(cmd: list[str]) -> dict:
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    err = proc.stderr.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
-    return {"wall_s": time.perf_counter() - t0, "peak_rss_gib": usage.ru_maxrss / 2**20}
-
-
 def verify(out: str, cfg: dict) -> tuple[int, list[str]]:
     from safetensors import safe_open
 
@@ -103,11 +94,11 @@ def main(argv=None) -> int:
         nbytes = write_hf(hf, cfg)
         gen_s = time.perf_counter() - t0
         py = [sys.executable, "-m", "converters"]
-        to_mcore = timed([*py, "hf-to-mcore", "--hf", hf, "--out", mc, "--tp", str(a.tp), "--pp", str(a.pp),
-                          "--ep", str(a.ep)])
+        to_mcore = run_child([*py, "hf-to-mcore", "--hf", hf, "--out", mc, "--tp", str(a.tp), "--pp", str(a.pp),
+                              "--ep", str(a.ep)], cwd=ROOT)
         shutil.copy(os.path.join(hf, "config.json"), os.path.join(a.work, "config.json"))
         shutil.rmtree(hf)  # disk: the check below regenerates the input from its seeds
-        to_hf = timed([*py, "mcore-to-hf", "--ckpt", mc, "--out", back])
+        to_hf = run_child([*py, "mcore-to-hf", "--ckpt", mc, "--out", back], cwd=ROOT)
         checked, bad = verify(back, cfg)
     finally:
         shutil.rmtree(a.work, ignore_errors=True)
@@ -115,12 +106,11 @@ def main(argv=None) -> int:
            "gib": nbytes / 2**30, "generate_s": gen_s, "hf_to_mcore": to_mcore, "mcore_to_hf": to_hf,
            "tensors_checked": checked, "mismatched": bad, "bit_exact": not bad,
            "command": "python benchmarks/convert_bench.py " + " ".join(argv or sys.argv[1:])}
-    print(f"{'step':<14}{'wall s':>10}{'peak RSS GiB':>14}   ({res['gib']:.2f} GiB bf16, {res['layers']} layers)")
-    for k in ("hf_to_mcore", "mcore_to_hf"):
-        print(f"{k:<14}{res[k]['wall_s']:>10.1f}{res[k]['peak_rss_gib']:>14.2f}")
+    print(f"{res['gib']:.2f} GiB bf16, {res['layers']} layers")
+    print(table(["step", "wall s", "peak RSS GiB"], [(k, res[k]["wall_s"], res[k]["peak_rss_gib"])
+                                                      for k in ("hf_to_mcore", "mcore_to_hf")], 2))
     print(f"bit-exact: {res['bit_exact']} ({checked} tensors)")
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(res, a.json)
     return 0 if res["bit_exact"] else 1
 
 

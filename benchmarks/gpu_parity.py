@@ -12,7 +12,6 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.harness import table, write_json  # noqa: E402
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "ep2": (1, 1, 2), "pp2": (1, 2, 1)}
 MOE = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe")
 
@@ -98,13 +99,9 @@ def main(argv=None) -> int:
         while not queue.empty():
             res["megatron_bf16"].update(queue.get())
     res["device"] = torch.cuda.get_device_name()
-    print(f"{'case':<24}{'rel. error vs fp32 HF':>24}")
-    for fam, r in res["hf_bf16"].items():
-        print(f"{'hf_bf16/' + fam:<24}{r['hf_bf16']:>24.2e}")
-    for k, v in sorted(res["megatron_bf16"].items()):
-        print(f"{k:<24}{v:>24.2e}")
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    rows = [("hf_bf16/" + fam, r["hf_bf16"]) for fam, r in res["hf_bf16"].items()]
+    print(table(["case", "rel. error vs fp32 HF"], rows + sorted(res["megatron_bf16"].items()), 2))
+    write_json(res, a.out)
     return 0
 
 

@@ -19,34 +19,30 @@ sheet, 790 measured for an 8192^3 matmul on the lent machines).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-def _time(model, ids, steps: int, sync) -> list[float]:
+def _time(model, ids, steps: int) -> list[float]:
+    from benchmarks.harness import timed_calls
+
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     labels = torch.roll(ids, -1, 1) if model.post_process else None
-    grad = None
-    times = []
-    for i in range(steps + 2):  # two warm-up iterations
-        sync()
-        t0 = time.perf_counter()
+    grad = []
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
         out = model(ids, pos, None, labels=labels)
         if labels is not None:
             out.float().mean().backward()
         else:  # the decoder's hidden states: backward from a fixed random gradient
-            grad = torch.randn_like(out) if grad is None else grad
-            out.backward(grad)
-        sync()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-    return times
+            grad[:] = grad or [torch.randn_like(out)]
+            out.backward(grad[0])
+
+    return timed_calls(fwd_bwd, steps, warmup=2)
 
 
 def _profile(model, ids, top: int) -> list[dict]:
@@ -55,7 +51,7 @@ def _profile(model, ids, top: int) -> list[dict]:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts, record_shapes=True) as prof:
-        _time(model, ids, 1, torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
+        _time(model, ids, 1)
     key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: getattr(e, key), reverse=True)[:top]
     return [dict(op=f"{e.key} {e.input_shapes}" if e.input_shapes else e.key, ms=getattr(e, key) / 1e3 / 3,
@@ -80,7 +76,6 @@ def worker(rank: int, args, port: int, results):
     extra = {"moe_token_dispatcher_type": args.dispatcher} if args.dispatcher and hf.num_experts else {}
     tcfg = transformer_config(hf, tp=args.tp, ep=args.ep, dtype=dtype, cpu=args.cpu, **extra)
     dev = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
-    sync = torch.cuda.synchronize if not args.cpu else (lambda: None)
     torch.manual_seed(1234)  # the same tokens on every rank (one DP replica)
     ids = torch.randint(0, hf.vocab_size, (args.batch, args.seq)).to(dev)
     flops = None
@@ -90,7 +85,7 @@ def worker(rank: int, args, port: int, results):
         flops = flops or flops_per_token(model, hf, args.seq)
         if not args.cpu:
             torch.cuda.reset_peak_memory_stats()
-        times = _time(model, ids, args.steps, sync)
+        times = _time(model, ids, args.steps)
         med = statistics.median(times)
         # every data-parallel rank (gpus / tp of them; EP ranks are DP ranks for the dense part)
         # runs its own batch; the TP ranks of one replica share its work
@@ -140,6 +135,7 @@ def main(argv=None) -> int:
     if not args.cpu and torch.cuda.device_count() < args.gpus:
         p.error(f"--gpus {args.gpus} but {torch.cuda.device_count()} visible")
     sys.path.insert(0, ROOT)
+    from benchmarks.harness import write_json
     from mcore_rl.parallel import free_port
 
     ctx = torch.multiprocessing.get_context("spawn")
@@ -160,8 +156,7 @@ def main(argv=None) -> int:
     if len(res["rows"]) == 2:
         res["grouped_speedup"] = res["rows"][1]["median_s"] / res["rows"][0]["median_s"]
         print(f"grouped / loop speed-up: {res['grouped_speedup']:.2f}x")
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(res, args.out)
     return 0
 
 

@@ -16,13 +16,13 @@ import multiprocessing
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.harness import run_child, write_json  # noqa: E402
 from benchmarks.shapes import moonlight  # noqa: E402
 
 MOONLIGHT = {**moonlight(), "dtype": "bfloat16"}  # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 architecture)
@@ -113,13 +113,8 @@ def timed_merge(dirs: list[str], out: str) -> dict:
     cmd = [sys.executable, "-m", "converters", "merge", "--backend", "fsdp", "--local-dir", *dirs,
            "--target-dir", out]
     env = dict(os.environ, MCORE_RL_NO_PROGRESS="1")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"merge failed with exit code {os.waitstatus_to_exitcode(status)}")
-    return {"command": " ".join(cmd), "wall_s": round(wall, 1), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2)}
+    res = run_child(cmd, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {"command": " ".join(cmd), "wall_s": round(res["wall_s"], 1), "peak_rss_gib": round(res["peak_rss_gib"], 2)}
 
 
 def main(argv=None) -> int:
@@ -159,8 +154,7 @@ def main(argv=None) -> int:
     for k, v in res.items():
         print(f"{k:<{width}}  {v}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+        write_json(res, a.json)
     return 0
 
 

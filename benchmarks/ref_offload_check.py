@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="ref_offload.json")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
+    from benchmarks.harness import table, write_json
     from benchmarks.shapes import hf_config
     from mcore_rl.parallel import free_port
 
@@ -71,13 +72,11 @@ def main(argv=None) -> int:
     res = dict(rows=rows, device=torch.cuda.get_device_name(),
                saved_gib=rows[0]["model_and_ref_gib"] - rows[1]["model_and_ref_gib"],
                command="python benchmarks/ref_offload_check.py " + " ".join(argv or sys.argv[1:]))
-    print(f"{'offload_ref':<12}{'policy+ref GiB':>15}{'ref_log_probs s':>17}{'|ref - policy|':>16}{'|ref - ref|':>13}")
-    for r in rows:
-        print(f"{str(r['offload']):<12}{r['model_and_ref_gib']:>15.2f}{r['ref_log_probs_s']:>17.3f}"
-              f"{r['ref_vs_policy_max_abs']:>16.2e}{r['ref_repeat_max_abs']:>13.2e}")
+    print(table(["offload_ref", "policy+ref GiB", "ref_log_probs s", "|ref - policy|", "|ref - ref|"],
+                [(str(r["offload"]), r["model_and_ref_gib"], r["ref_log_probs_s"], r["ref_vs_policy_max_abs"],
+                  r["ref_repeat_max_abs"]) for r in rows]))
     print(f"device memory saved: {res['saved_gib']:.2f} GiB")
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(res, args.out)
     return 0
 
 

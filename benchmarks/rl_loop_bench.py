@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.flops import MATMUL_PEAK, attention_flops_per_token  # noqa: E402
+from benchmarks.harness import write_json  # noqa: E402
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
           "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "timing/resume_kv_cache")
@@ -169,8 +170,7 @@ def main() -> int:
                   route_agreement=med("rollout/route_agreement"), reward=[s.get("reward/mean") for s in timed],
                   memory_per_step={k: {m: s.get(m) for m in MEMORY} for k, s in sorted(steps.items()) if k >= 1},
                   memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}))
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(result, a.out)
     print(f"{'phase':<28}{'median s':>10}")
     for k, v in result["phases_s"].items():
         print(f"{k:<28}{v if v is None else round(v, 3):>10}")

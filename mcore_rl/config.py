@@ -290,6 +290,8 @@ class TrainerConfig:
     async_save: bool = False  # checkpoint files written in the background while the next rollout runs
     rollout_dump_dir: str | None = None  # each step's rollout to DIR/step_N.pt (`--replay DIR` trains on it)
     logger: list[Logger] = field(default_factory=lambda: ["console", "jsonl"])
+    # short: one line a step (step i/N, reward, validation reward, seconds, ETA); full: every metric
+    console: Literal["short", "full"] = "short"
     seed: int = 1
 
 

@@ -42,7 +42,9 @@ def check(experts, sample: int, tokens: int, layout: ExpertLayout, engine: str) 
     MoE layers, top-k], validated: one row per token the engine ran, ids in range, no expert twice."""
     if experts is None:
         raise RouteError(f"{engine} returned no routed experts for sample {sample}")
-    r = torch.as_tensor(experts)
+    # a copy: Ray hands numpy arrays over read-only (zero-copy from its object store), which
+    # torch.as_tensor warns about on every batch
+    r = experts if isinstance(experts, torch.Tensor) else torch.tensor(experts)
     if r.dim() != 3 or r.shape[0] != tokens - 1 or r.shape[2] != layout.topk or r.shape[1] <= max(layout.moe_layers):
         raise RouteError(f"{engine} returned routes of shape {tuple(r.shape)} for sample {sample}: expected "
                          f"[{tokens - 1} tokens, >{max(layout.moe_layers)} layers, top-{layout.topk}]")

@@ -34,6 +34,7 @@ def prepare_model(cfg: C.Config, run_dir: str) -> str:
         torch.manual_seed(cfg.trainer.seed)
         hcfg = transformers.AutoConfig.for_model(**cfg.model.hf_config)
         model = transformers.AutoModelForCausalLM.from_config(hcfg)
+        transformers.utils.logging.disable_progress_bar()  # a one-shard model: a bar says nothing
         model.save_pretrained(hf_dir + ".tmp")
         os.replace(hf_dir + ".tmp", hf_dir)
     return hf_dir
@@ -240,6 +241,19 @@ def memory_plan(cfg: C.Config):
     return plan
 
 
+def _not_ray_auth_notice(record) -> bool:
+    """Ray logs at WARNING level that a new local cluster uses token authentication, its default and
+    nothing to act on; the opposite notice (authentication off) still shows."""
+    return "Token authentication is enabled" not in record.getMessage()
+
+
+def _quiet_ray_auth_notice() -> None:
+    import logging
+
+    # addFilter keeps one copy of a filter however often a process starts Ray
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_not_ray_auth_notice)
+
+
 def _start_ray(cfg: C.Config) -> None:
     import ray
 
@@ -248,6 +262,7 @@ def _start_ray(cfg: C.Config) -> None:
     if os.environ.get("RAY_ADDRESS"):  # a submitted job: join the cluster as it is
         ray.init(log_to_driver=True)
     else:  # a local run: a private Ray on loopback ("local": never the cluster of a stale address file)
+        _quiet_ray_auth_notice()
         ray.init(address="local", num_cpus=max(2, cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node),
                  include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
 
@@ -317,11 +332,15 @@ def _load(group: ActorGroup, step_dir: str) -> None:
 
 def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start, state,
           first_sync: dict) -> dict:
+    from mcore_rl.console import StepConsole
     from mcore_rl.metrics import MetricsLogger
     from mcore_rl.ppo import kl_controller
 
     t = cfg.trainer
-    logger = MetricsLogger(run_dir, t.logger, project=t.project, experiment=t.experiment,
+    short = t.console == "short" and "console" in t.logger
+    # short: the logger keeps its files; one line a step comes from the console below
+    backends = [b for b in t.logger if not (short and b == "console")]
+    logger = MetricsLogger(run_dir, backends, project=t.project, experiment=t.experiment,
                            config=C.to_dict(cfg))
     B = cfg.data.train_batch_size
     per_epoch = len(train_task.prompts) // B if train_task else 1
@@ -329,6 +348,9 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     before = dict(first_sync)  # logged at the step the run starts from
     if t.val_before_train and start == 0 and val_task:
         before.update(validate(cfg, engine, val_task))
+    console = StepConsole(total, start) if short else None  # its clock starts with the first step
+    if console and "val/reward" in before:
+        console.note(f"validation reward before training: {before['val/reward']:.3f}")
     if before:
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
@@ -356,8 +378,12 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         after.update(phases.mon.take())  # this step's peaks: rollout, train, save, sync
         logger.log(after, step=step)
         metrics.update(after)
+        if console:
+            console.show(step, metrics)
     ckpt.finish()
     logger.close()
+    if console:
+        console.close()
     from mcore_rl.plot import plot_run
 
     plot_run(run_dir)

@@ -1,12 +1,7 @@
 """Colocation on CPU: the memory-saver no-op fallback, the choreography's order and guards,
-trainer state offload, and the GPU benchmark script at tiny size."""
+and trainer state offload."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,8 +10,6 @@ from mcore_rl.memory import saver as saver_mod
 from mcore_rl.memory.colocate import Colocation, SaverEngine
 from mcore_rl.memory.offload import StateOffloader
 from mcore_rl.memory.saver import MemorySaver, ResumeRefused, SaverOrderError, chunk_tags
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -126,15 +119,3 @@ def test_offload_moves_states_and_keeps_identity():
         assert torch.equal(p, before[n])
     opt.step()  # the optimizer still works on the same tensors
 
-
-def test_benchmark_script_runs_tiny_on_cpu(tmp_path):
-    out = tmp_path / "cc.json"
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/colocate_cycle.py", "--cpu", "--tiny", "--cycles", "3",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["oversized_plan_refused"]["phase"] == "train"
-    (rank,) = report["ranks"]
-    assert rank["bit_identical"] and len(rank["cycles"]) == 3
-    assert rank["cycles"][0]["loss"] > 0 and "sync" in rank["cycles"][0]

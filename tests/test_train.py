@@ -1,6 +1,7 @@
 """The main job end to end: GRPO over Ray with 2 Megatron actor processes (EP=2) and SGLang's real
-engine doing the rollout learns the embedded task, writes metrics, plots and checkpoints, and
-resumes after SIGKILL; the embedded engine still learns it too."""
+engine doing the rollout learns the embedded task, writes metrics, plots and checkpoints, prints
+one short line a step and no warnings, and resumes after SIGKILL; the embedded engine still learns
+it too."""
 
 from __future__ import annotations
 
@@ -74,6 +75,13 @@ def test_tiny_grpo_learns_with_sglang(tmp_path):
     assert os.path.exists(os.path.join(out, "checkpoints", "step_30", "trainer_state.json"))
     assert os.listdir(os.path.join(out, "plots")), "no plots written"
     assert os.listdir(os.path.join(out, "tensorboard"))
+    # a console a person can read: one short line a step, the engines' output in files of their own
+    lines = log.splitlines()
+    assert len(lines) <= 30 + 15, log
+    assert not [ln for ln in lines if "warn" in ln.lower()], log
+    step_lines = [ln for ln in lines if ln.startswith("step ")]
+    assert len(step_lines) == 30 and all(len(ln) < 100 for ln in step_lines), log
+    assert sorted(os.listdir(os.path.join(out, "logs"))) == ["engine_0_node0.log", "engine_1_node0.log"]
 
 
 def test_tiny_grpo_learns_with_the_embedded_engine(tmp_path):

@@ -33,7 +33,7 @@ class Trainer(Protocol):
 
 
 class SaverEngine:
-    """An engine whose memory is our own torch_memory_saver regions (tests, benchmarks).
+    """An engine whose memory is our own torch_memory_saver regions (tests).
 
     `tags` maps an engine tag to its saver tags in resume order, e.g. weights -> the dense
     weights, then expert chunks; a tag without saver tags (CUDA graphs in hook mode "torch")

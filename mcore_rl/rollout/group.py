@@ -103,9 +103,12 @@ class EngineGroup:
 
     def __init__(self, server_cls, slots: list[EngineSlot], args_of: Callable[[EngineSlot], dict], *,
                  device: str, tp_size: int, timeout_s: float, start_timeout_s: float, gpu_share: float,
-                 label: str, env: dict | None = None):
+                 label: str, env: dict | None = None, log_dir: str | None = None):
+        """log_dir: each engine node's output goes to a file there (`engine_logs`), not to the console."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from mcore_rl.rollout.engine_logs import LOG_ENV, log_file
 
         self.ray, self.tp_size, self.timeout_s, self.label = ray, tp_size, timeout_s, label
         self.readback = server_cls.READBACK  # how a weight sync into these engines is verified
@@ -116,12 +119,15 @@ class EngineGroup:
             opts = dict(num_cpus=0, num_gpus=gpu_share if device == "gpu" else 0, max_restarts=0,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=s.pg,
                                                                              placement_group_bundle_index=s.bundle))
-            self.actors.append(remote.options(**opts).remote(args_of(s), device, s.gpus, env))
+            log = {LOG_ENV: log_file(log_dir, s.engine, s.node_rank)} if log_dir else {}
+            self.actors.append(remote.options(**opts).remote(args_of(s), device, s.gpus, {**(env or {}), **log}))
         self.names = [f"{label} engine {s.engine} node {s.node_rank}" for s in slots]
         try:  # constructing the engine happens in __init__; health() waits for it
             self.info = _wait([a.health.remote() for a in self.actors], "start-up", self.names, start_timeout_s)
-        except EngineError:
+        except EngineError as e:
             self.shutdown()
+            if log_dir:  # what the engine said is in its log, not on the console
+                raise EngineError(f"{e} (engine logs: {log_dir})") from None
             raise
         self.heads = [a for a, s in zip(self.actors, slots) if s.node_rank == 0]
         self.head_names = [n for n, s in zip(self.names, slots) if s.node_rank == 0]

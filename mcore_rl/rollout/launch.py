@@ -38,7 +38,7 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
     else:
         slots = own_slots(placement, cfg.cluster.device, cfg.cluster.placement_timeout_s)
     engines = start(cfg, model_dir, slots, layout, ENGINE_GPU_SHARE if placement.colocate else layout.gpus_per_node,
-                    plan)
+                    plan, log_dir=os.path.join(run_dir, "logs"))
     try:
         feed = _feeds(placement, slots, where, layout) if placement.colocate else None
         sync = WeightSync(cfg, actors, engines, layout, feed, where, run_dir, model_dir)
@@ -72,16 +72,17 @@ def _server(engine: str):
 
 
 def _group(cfg: C.Config, server_cls, slots: list[EngineSlot], layout: EngineLayout, gpu_share: float,
-           args_of, label: str, env: dict) -> EngineGroup:
+           args_of, label: str, env: dict, log_dir: str | None) -> EngineGroup:
     return EngineGroup(server_cls, slots, args_of, device=cfg.cluster.device, tp_size=layout.tp_size,
                        timeout_s=cfg.rollout.timeout_s, start_timeout_s=cfg.rollout.start_timeout_s,
-                       gpu_share=gpu_share, label=label, env=env)
+                       gpu_share=gpu_share, label=label, env=env, log_dir=log_dir)
 
 
 def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: EngineLayout,
-                 gpu_share: float, plan=None) -> EngineGroup:
+                 gpu_share: float, plan=None, log_dir: str | None = None) -> EngineGroup:
     """SGLang engines on `slots` (multi-node engines meet at a port free on their node 0), each
-    started from `model_dir` (see `sglang.engine_model_dir`), sized by the memory `plan` if given."""
+    started from `model_dir` (see `sglang.engine_model_dir`), sized by the memory `plan` if given,
+    writing their output to files in `log_dir` if given."""
     from mcore_rl.rollout import sglang as S
 
     mem_fraction, kv_tokens = _engine_memory(cfg, plan)
@@ -90,18 +91,19 @@ def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout:
     return _group(cfg, S.SGLangServer, slots, layout, gpu_share,
                   lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction,
                                               kv_tokens),
-                  "SGLang", S.engine_env(cfg, layout))
+                  "SGLang", S.engine_env(cfg, layout), log_dir)
 
 
 def start_vllm(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: EngineLayout,
-               gpu_share: float, plan=None) -> EngineGroup:
-    """vLLM engines on `slots`, one node each, started from `model_dir`."""
+               gpu_share: float, plan=None, log_dir: str | None = None) -> EngineGroup:
+    """vLLM engines on `slots`, one node each, started from `model_dir` (output: files in `log_dir`)."""
     from mcore_rl.rollout import vllm as V
 
     if layout.nnodes > 1:
         raise PlanError(f"a vLLM engine runs on one node; this placement spreads one over {layout.nnodes}")
     args = V.engine_args(cfg, model_dir, layout, _engine_memory(cfg, plan)[0])
-    return _group(cfg, V.VLLMServer, slots, layout, gpu_share, lambda s: args, "vLLM", V.engine_env(cfg, layout))
+    return _group(cfg, V.VLLMServer, slots, layout, gpu_share, lambda s: args, "vLLM", V.engine_env(cfg, layout),
+                  log_dir)
 
 
 STARTERS = {"sglang": start_sglang, "vllm": start_vllm}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mcore_rl import config as C
 from mcore_rl.parallel import free_port
-from mcore_rl.rollout import model_files
+from mcore_rl.rollout import engine_logs, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.sync.plan import EngineLayout, PlanError
@@ -184,6 +184,7 @@ class SGLangServer:
     def __init__(self, engine_args: dict, device: str, visible_devices: str | None = None,
                  env: dict | None = None):
         os.environ.update(env or {})
+        engine_logs.to_log_file()  # before SGLang is imported: its import warnings too
         if visible_devices is not None:  # the engine's GPUs, by physical index (Ray gives us one)
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         # SGLang's spawned processes take this process's sys.path: the plugin must be on it

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from mcore_rl.rollout import model_files
+from mcore_rl.rollout import engine_logs, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.sync.plan import EngineLayout
@@ -112,6 +112,7 @@ class VLLMServer:
     def __init__(self, engine_args: dict, device: str, visible_devices: str | None = None,
                  env: dict | None = None):
         os.environ.update(env or {})
+        engine_logs.to_log_file()  # before vLLM is imported: its import warnings too
         if visible_devices is not None:  # the engine's GPUs, by physical index
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         # a temp dir of its own: vLLM's processes leave files in it (vllm_dist_*) when one is killed

@@ -2,8 +2,8 @@
 
 A bucket is one uint8 buffer holding its tensors back to back plus, per tensor, (name, shape,
 dtype, start, end, numel) with byte offsets: the fields of SGLang's FlattenedTensorMetadata.
-The receiver in benchmarks/ (no SGLang on the GPU machines) unpacks with `unflatten`; tests check
-both directions against SGLang's own FlattenedTensorBucket.
+vLLM's worker extension unpacks with `unflatten`; tests check both directions against SGLang's own
+FlattenedTensorBucket.
 """
 
 from __future__ import annotations

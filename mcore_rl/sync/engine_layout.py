@@ -1,6 +1,6 @@
 """Where each HF tensor lands in an SGLang engine rank: one declarative table, read by the
-sync's read-back check (`ExpectedDigests`), by the memory planner's engine tensors
-(`mcore_rl.memory.layout.engine_tensors`) and by the benchmarks' SGLang-layout receivers.
+sync's read-back check (`ExpectedDigests`) and by the memory planner's engine tensors
+(`mcore_rl.memory.layout.engine_tensors`).
 
 A rule matches an HF tensor by the end of its name and says which SGLang parameter receives it,
 how it is split over the engine's tensor-parallel ranks, and which part of a fused parameter it
