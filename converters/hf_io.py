@@ -130,10 +130,9 @@ class HFCheckpoint:
 
 def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """DeepSeek-V3 block-wise FP8: each [bm, bn] block of `w` is multiplied by one scale."""
-    bm, bn = block
-    m, n = w.shape
-    s = scale_inv.float().repeat_interleave(bm, 0)[:m].repeat_interleave(bn, 1)[:, :n]
-    return (w.float() * s).to(torch.bfloat16)
+    from mcore_rl.sync.fp8 import dequantize
+
+    return dequantize(w, scale_inv, block, torch.bfloat16)
 
 
 @contextmanager
