@@ -105,6 +105,10 @@ class RolloutConfig:
     # SGLang with an MoE model returns each token's routed experts (actor.routing_replay and
     # rollout/route_agreement); costs each engine a host buffer of KV tokens x layers x top-k int32
     return_routed_experts: bool = True
+    # fp8: the engine holds its linear weights as DeepSeek-V3's block FP8 (e4m3, a scale per 128 x 128
+    # block), quantized in each sync; training stays in model.dtype. Turns token TIS on by default
+    # (mcore_rl.ppo.correction_settings). SGLang, DeepSeek-V3-style (MLA) models.
+    weight_dtype: Literal["bf16", "fp8"] = "bf16"
 
 
 @dataclass
@@ -805,6 +809,16 @@ def _check_corrections(cfg: Config, errors: list[str]) -> None:
         errors.append("algorithm.filter_groups needs rollout.n >= 2 (it drops groups whose rewards are all equal)")
 
 
+def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
+    """FP8 engine weights: SGLang only (the sync quantizes into its layout), MLA models only."""
+    if cfg.rollout.weight_dtype != "fp8":
+        return
+    if cfg.rollout.engine != "sglang":
+        errors.append(f"rollout.weight_dtype=fp8 needs rollout.engine=sglang, not {cfg.rollout.engine}")
+    if hf is not None and not str(hf.get("model_type", "")).startswith("deepseek"):
+        errors.append(f"rollout.weight_dtype=fp8 is wired for DeepSeek-V3-style models, not {hf.get('model_type')}")
+
+
 def returns_routes(cfg: Config, hf: dict | None = None) -> bool:
     """Whether the rollout engines return each token's routed experts (SGLang, an MoE model)."""
     hf = hf if hf is not None else hf_model_dims(cfg.model)
@@ -850,6 +864,7 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
         _check_sglang(errors, hf)
     _check_algorithm(cfg, errors)
     _check_corrections(cfg, errors)
+    _check_fp8(cfg, errors, hf)
     if errors:
         raise ConfigError(errors)
     if cfg.rollout.max_prompt_len is None:

@@ -93,11 +93,25 @@ def reward_shaping(cfg: C.Config, batch: dict) -> torch.Tensor:
 
 
 def correction_settings(cfg: C.Config) -> dict:
-    """algorithm.rollout_correction, with actor.tis_imp_ratio_cap (verl's older key) as token-level TIS."""
+    """algorithm.rollout_correction, with actor.tis_imp_ratio_cap (verl's older key) as token-level TIS.
+    FP8 engine weights (rollout.weight_dtype: fp8) sample from a policy measurably off the trainer's:
+    with no correction configured, token TIS at the default threshold corrects it."""
     corr = dataclasses.asdict(cfg.algorithm.rollout_correction)
     if cfg.actor.tis_imp_ratio_cap is not None:
         corr.update(rollout_is="token", rollout_is_threshold=cfg.actor.tis_imp_ratio_cap)
+    elif cfg.rollout.weight_dtype == "fp8" and corr["rollout_is"] is None and corr["rollout_rs"] is None:
+        corr["rollout_is"] = "token"
     return corr
+
+
+def correction_line(cfg: C.Config) -> str | None:
+    """The log line saying which correction an FP8 rollout trains with (None for bf16 rollout)."""
+    if cfg.rollout.weight_dtype != "fp8":
+        return None
+    corr = correction_settings(cfg)
+    on = {k: v for k, v in corr.items() if v is not None and k != "rollout_is_batch_normalize"}
+    return (f"rollout.weight_dtype=fp8: rollout correction {on} (token TIS unless configured otherwise); "
+            "rollout/logp_diff_abs_mean and rollout/token_mult_prob_error show the FP8 gap")
 
 
 def correct_rollout(cfg: C.Config, batch: dict) -> dict:

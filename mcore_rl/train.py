@@ -295,7 +295,7 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
             print(f"resumed from {resumed[1]} (step {start})", flush=True)
         ckpt.clear_after(start)
         _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
-        from mcore_rl.ppo import stop_ids
+        from mcore_rl.ppo import correction_line, stop_ids
         from mcore_rl.rollout.launch import launch
         from mcore_rl.rollout_dump import RolloutReplay
 
@@ -306,6 +306,8 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
                 group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
             engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
                                   train_task.tokenizer.pad_token_id or 0, plan)
+        if correction_line(cfg):
+            print(correction_line(cfg), flush=True)
         first = {}
         if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
             first = sync(start)

@@ -52,7 +52,8 @@ def init_sglang_parallel(rank: int, world: int, tp: int, ep: int, model_path: st
 
 
 def build_model(hf_dir: str):
-    """SGLang's own model class for the checkpoint in `hf_dir`, on CPU, weights uninitialised."""
+    """SGLang's own model class for the checkpoint in `hf_dir`, on CPU, weights uninitialised; with
+    FP8 layers (SGLang's Fp8Config) where the config has an FP8 quantization_config."""
     import torch
     from transformers import AutoConfig
 
@@ -72,8 +73,11 @@ def build_model(hf_dir: str):
         cls = sglang_module("sglang.srt.models.glm4_moe").Glm4MoeForCausalLM
     else:
         raise ValueError(f"no SGLang reference class wired for {cfg.model_type}")
+    quant = getattr(cfg, "quantization_config", None)
+    if quant:
+        quant = sglang_module("sglang.srt.layers.quantization.fp8").Fp8Config.from_config(quant)
     # as SGLang's loader does before it builds a model: decide whether the shared experts are fused
     # into the routed ones (on CPU, DeepSeek's and GLM's gates say no, as in the real engine)
-    sglang_module("sglang.srt.layers.moe.utils").install_shared_experts_fusion_decision(cls, cfg, None)
+    sglang_module("sglang.srt.layers.moe.utils").install_shared_experts_fusion_decision(cls, cfg, quant)
     with torch.device("cpu"):
-        return cls(cfg)
+        return cls(cfg, quant_config=quant) if quant else cls(cfg)

@@ -75,11 +75,20 @@ SYNC_VARIANTS = {
 }
 
 
+# FP8 engine weights: every width SGLang splits or fuses over TP=2 is a whole number of 128-row
+# blocks per rank (its Fp8LinearMethod refuses others), hidden_size 64 stays a partial block
+FP8 = {
+    "deepseek_v3_fp8": ("DeepseekV3Config", dict(
+        FAMILIES["deepseek_v3"][1], num_hidden_layers=2, intermediate_size=256, moe_intermediate_size=256,
+        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)),
+}
+
+
 def make_hf_model(family: str, out_dir: str, seed: int = 0):
     """Save a random fp32 model of `family` to `out_dir`; return the model (eval mode)."""
     import transformers
 
-    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS, **VLLM_CPU, **SYNC_VARIANTS}[family]
+    cls_name, kwargs = {**FAMILIES, **ROUTING_VARIANTS, **VLLM_CPU, **SYNC_VARIANTS, **FP8}[family]
     cfg = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()

@@ -30,7 +30,8 @@ def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int]
     placement = plan_placement(cfg)
     _check_cpu_tp(cfg)
     where = actors.call("where")
-    model_dir = server.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids, cfg.cluster.device)
+    model_dir = server.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids, cfg.cluster.device,
+                                        cfg.rollout.weight_dtype)
     layout = EngineLayout(cfg.rollout.tp_size, cfg.rollout.ep_size, placement.nnodes,
                           cfg.rollout.tp_size // placement.nnodes)
     if placement.colocate:

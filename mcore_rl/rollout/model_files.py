@@ -14,12 +14,15 @@ HUB_DEFAULTS = {"deepseek_v3": dict(moe_layer_freq=1, topk_method="noaux_tc", sc
                 "deepseek_v2": dict(moe_layer_freq=1, topk_method="greedy", scoring_func="softmax")}
 
 
-def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], plain_rope_as_yarn: bool = False) -> str:
+def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], plain_rope_as_yarn: bool = False,
+                     quantization_config: dict | None = None) -> str:
     """The same weights and tokenizer files as `hf_dir` (linked, not copied) under a config.json
     that carries the hub fields DeepSeek configs need, and whose eos ids are the rollout's stop
     ids (so the engine stops exactly where the trainer's tokenizer ends a response).
     `plain_rope_as_yarn`: a DeepSeek model without rope scaling gets a `yarn` entry of factor 1,
-    which is plain rope (for engines whose CPU path knows only yarn). Rewritten atomically."""
+    which is plain rope (for engines whose CPU path knows only yarn). `quantization_config`: the
+    engine builds its layers in that format (an FP8 checkpoint's); its weights come from the first
+    sync, not from these files. Rewritten atomically."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     for k, v in HUB_DEFAULTS.get(cfg.get("model_type"), {}).items():
@@ -31,6 +34,8 @@ def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], plain
                     mscale=1.0, mscale_all_dim=1.0,
                     original_max_position_embeddings=cfg["max_position_embeddings"])
         cfg["rope_scaling"], cfg["rope_parameters"] = yarn, dict(yarn)
+    if quantization_config:
+        cfg["quantization_config"] = dict(quantization_config)
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

@@ -26,10 +26,15 @@ from mcore_rl.sync.plan import EngineLayout, PlanError
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site")
 
 
-def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], device: str) -> str:
+def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], device: str,
+                     weight_dtype: str = "bf16") -> str:
     """`hf_dir` as SGLang should read it (`model_files.engine_model_dir`). On CPU SGLang's DeepSeek
-    rope needs a `yarn` entry: yarn with factor 1 is plain rope, so the model is unchanged."""
-    return model_files.engine_model_dir(hf_dir, out_dir, stop_token_ids, plain_rope_as_yarn=device == "cpu")
+    rope needs a `yarn` entry: yarn with factor 1 is plain rope, so the model is unchanged. With FP8
+    weights the config carries an FP8 DeepSeek-V3 checkpoint's quantization_config."""
+    from mcore_rl.sync.fp8 import QUANTIZATION_CONFIG
+
+    return model_files.engine_model_dir(hf_dir, out_dir, stop_token_ids, plain_rope_as_yarn=device == "cpu",
+                                        quantization_config=QUANTIZATION_CONFIG if weight_dtype == "fp8" else None)
 
 
 @dataclass
@@ -92,6 +97,8 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
                 chunked_prefill_size=r.chunked_prefill_size, log_level=r.log_level)
     if dist_init_addr:
         args["dist_init_addr"] = dist_init_addr
+    if r.weight_dtype == "fp8":  # the files hold bf16 weights; FP8 layers get theirs from the first sync
+        args["load_format"] = "dummy"
     if C.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
@@ -115,6 +122,10 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
 def engine_env(cfg, layout: EngineLayout) -> dict:
     """Environment of the engine's processes."""
     env = {"MCORE_RL_SEEDED_SAMPLING": "1"} if cfg.rollout.seeded else {}
+    if cfg.rollout.weight_dtype == "fp8":
+        # with DeepGEMM SGLang rewrites block scales to powers of two after loading (UE8M0): the engine
+        # would no longer hold the scales the sync sent (and the read-back compares); triton's FP8 GEMM reads them as sent
+        env["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"
     if cfg.cluster.device != "cpu":
         return env
     env["TORCHDYNAMO_DISABLE"] = "1"  # SGLang's MoE top-k otherwise compiles for 14-25 s on CPU

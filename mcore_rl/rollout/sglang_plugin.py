@@ -25,10 +25,12 @@ import os
 
 
 def weight_digests(model) -> dict:
+    """Digests of the model's weights; parameters SGLang itself leaves out of its weight checks
+    (`_skip_weight_check`: an FP8 model's KV-cache k_scale/v_scale, no checkpoint weight) are left out."""
     from mcore_rl.sync.checksum import digest
 
     return {name: [str(p.dtype).removeprefix("torch."), list(p.shape), *digest(p.data)]
-            for name, p in model.named_parameters()}
+            for name, p in model.named_parameters() if not getattr(p, "_skip_weight_check", False)}
 
 
 def _scheduler_weight_digests(self, path: str) -> None:

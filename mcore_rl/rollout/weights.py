@@ -45,7 +45,8 @@ class WeightSync:
         hf = HFModel.from_dir(hf_dir)
         rank_of = {t: r for t, (_, r) in feed.items()} if kind == "ipc" else single_source(0)
         plan = SyncPlan.build(hf, Layout(p.tp, p.pp, p.ep, p.etp), len(where), layout, rank_of,
-                              bucket_bytes=cfg.memory.sync_bucket_mb << 20, dtype=DTYPES[cfg.model.dtype])
+                              bucket_bytes=cfg.memory.sync_bucket_mb << 20, dtype=DTYPES[cfg.model.dtype],
+                              weight_dtype=cfg.rollout.weight_dtype)
         master = rendezvous_on(actors.pg, 0) if kind == "broadcast" else None  # trainer rank 0's node
         spec = SyncSpec(plan, engines.weight_target(), kind, engines.engines,
                         slot_of={t: k * layout.tp_size + r for t, (k, r) in (feed or {}).items()},

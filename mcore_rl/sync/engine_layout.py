@@ -14,16 +14,25 @@ fills (SGLang fuses q_a/kv_a, q/k/v, gate/up, and stacks routed experts into w13
 | `vocab`    | rows [r*P, (r+1)*P) of the vocab padded to 64 * tp, P = padded/tp (rest zero)   |
 | `kv_head`  | the kv heads of r (q/k/v fusion; replicated when tp > kv heads)                 |
 | `moe_row` / `moe_col` | as row/col over moe_tp = tp/ep, for experts in r's EP block          |
+
+`fp8` marks the weights an FP8 engine (`rollout.weight_dtype: fp8`, DeepSeek-V3's checkpoint
+format) holds as e4m3: the linear layers of attention and of the dense, shared and routed MLPs;
+not norms, the router, embeddings or lm_head. Each has a `weight_scale_inv` rule beside it
+(`SCALE_RULES`, derived): the same split and fusion, counted in 128 x 128 blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from mcore_rl.sync.checksum import digest
-from mcore_rl.sync.plan import EngineLayout
+from mcore_rl.sync.fp8 import SCALE_SUFFIX
+
+if TYPE_CHECKING:
+    from mcore_rl.sync.plan import EngineLayout
 
 _U64 = (1 << 64) - 1
 
@@ -36,6 +45,7 @@ class Place:
     part: int = 0  # position in the fused parameter, counted along dim 0 (dim 1 of w13 per expert)
     parts: tuple[str, ...] = ()  # suffixes of all parts of that fused parameter, in order
     when: str | None = None  # "mla", "gqa" or "q_lora": only for such models
+    fp8: bool = False  # held as e4m3 + weight_scale_inv by an FP8 engine
 
     def applies(self, name: str, hf) -> bool:
         ok = {None: True, "mla": hf.is_mla, "gqa": not hf.is_mla, "q_lora": hf.is_mla and hf.q_lora}[self.when]
@@ -43,29 +53,34 @@ class Place:
 
 
 QKV_PARTS = ("q_proj", "k_proj", "v_proj")
-SGLANG_RULES = (
+WEIGHT_RULES = (
     Place("embed_tokens.weight", "vocab"),
     Place("lm_head.weight", "vocab"),
     # MLA with q_lora: q_a and kv_a are one fused parameter, q_a first; without, q_proj is split
     Place("self_attn.q_a_proj.weight", "rep", "self_attn.fused_qkv_a_proj_with_mqa.weight", 0,
-          ("q_a_proj", "kv_a_proj_with_mqa"), when="q_lora"),
+          ("q_a_proj", "kv_a_proj_with_mqa"), when="q_lora", fp8=True),
     Place("self_attn.kv_a_proj_with_mqa.weight", "rep", "self_attn.fused_qkv_a_proj_with_mqa.weight", 1,
-          ("q_a_proj", "kv_a_proj_with_mqa"), when="q_lora"),
-    Place("self_attn.q_proj.weight", "row", when="mla"),
-    Place("self_attn.q_b_proj.weight", "row"),
-    Place("self_attn.kv_b_proj.weight", "row"),
+          ("q_a_proj", "kv_a_proj_with_mqa"), when="q_lora", fp8=True),
+    Place("self_attn.kv_a_proj_with_mqa.weight", "rep", when="mla", fp8=True),  # without q_lora: unfused
+    Place("self_attn.q_proj.weight", "row", when="mla", fp8=True),
+    Place("self_attn.q_b_proj.weight", "row", fp8=True),
+    Place("self_attn.kv_b_proj.weight", "row", fp8=True),
     *(Place(f"self_attn.{x}.{kind}", "kv_head", f"self_attn.qkv_proj.{kind}", i, QKV_PARTS, when="gqa")
       for kind in ("weight", "bias") for i, x in enumerate(QKV_PARTS)),
-    Place("self_attn.o_proj.weight", "col"),
-    Place("experts.{E}.gate_proj.weight", "moe_row", "experts.w13_weight", 0, ("gate_proj", "up_proj")),
-    Place("experts.{E}.up_proj.weight", "moe_row", "experts.w13_weight", 1, ("gate_proj", "up_proj")),
-    Place("experts.{E}.down_proj.weight", "moe_col", "experts.w2_weight"),
-    Place("mlp.gate_proj.weight", "row", "mlp.gate_up_proj.weight", 0, ("gate_proj", "up_proj")),
-    Place("mlp.up_proj.weight", "row", "mlp.gate_up_proj.weight", 1, ("gate_proj", "up_proj")),
-    Place("mlp.down_proj.weight", "col"),
-    Place("shared_experts.gate_proj.weight", "row", "shared_experts.gate_up_proj.weight", 0, ("gate_proj", "up_proj")),
-    Place("shared_experts.up_proj.weight", "row", "shared_experts.gate_up_proj.weight", 1, ("gate_proj", "up_proj")),
-    Place("shared_experts.down_proj.weight", "col"),
+    Place("self_attn.o_proj.weight", "col", fp8=True),
+    Place("experts.{E}.gate_proj.weight", "moe_row", "experts.w13_weight", 0, ("gate_proj", "up_proj"), fp8=True),
+    Place("experts.{E}.up_proj.weight", "moe_row", "experts.w13_weight", 1, ("gate_proj", "up_proj"), fp8=True),
+    Place("experts.{E}.down_proj.weight", "moe_col", "experts.w2_weight", fp8=True),
+    Place("mlp.gate_proj.weight", "row", "mlp.gate_up_proj.weight", 0, ("gate_proj", "up_proj"), fp8=True),
+    Place("mlp.up_proj.weight", "row", "mlp.gate_up_proj.weight", 1, ("gate_proj", "up_proj"), fp8=True),
+    Place("mlp.down_proj.weight", "col", fp8=True),
+    Place("shared_experts.gate_proj.weight", "row", "shared_experts.gate_up_proj.weight", 0, ("gate_proj", "up_proj"), fp8=True),
+    Place("shared_experts.up_proj.weight", "row", "shared_experts.gate_up_proj.weight", 1, ("gate_proj", "up_proj"), fp8=True),
+    Place("shared_experts.down_proj.weight", "col", fp8=True),
+)
+SCALE_RULES = tuple(replace(r, suffix=r.suffix + SCALE_SUFFIX, into=r.into and r.into + SCALE_SUFFIX, fp8=False)
+                    for r in WEIGHT_RULES if r.fp8)
+SGLANG_RULES = WEIGHT_RULES + SCALE_RULES + (
     Place("", "rep"),  # norms, router weight and expert bias (fp32 in SGLang, as the plan sends it)
 )
 
@@ -84,6 +99,11 @@ def _rule(name: str, hf) -> Place:
         head, _, rest = name.partition(".mlp.experts.")
         generic = head + ".mlp.experts.{E}." + rest.partition(".")[2]
     return next(r for r in SGLANG_RULES if r.applies(generic, hf))
+
+
+def runs_in_fp8(name: str, hf) -> bool:
+    """Whether an FP8 engine holds HF weight `name` as e4m3 with a weight_scale_inv."""
+    return _rule(name, hf).fp8
 
 
 def engine_param(name: str, hf) -> tuple[str, Place]:

@@ -3,7 +3,8 @@
 TP-split parameters are all-gathered in their TP group (the expert-TP group for experts) and
 turned into HF tensors by the mapping's own Transform, the same code the checkpoint converters
 use; experts come whole from their owning EP rank. Tensors then move point-to-point to the
-ranks whose engine rank needs them, so each GPU only ever holds the current bucket.
+ranks whose engine rank needs them, so each GPU only ever holds the current bucket. Weights the
+engine runs in FP8 are quantized as they are assembled (`mcore_rl.sync.fp8`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from converters.mappings import Param
+from mcore_rl.sync import fp8
 from mcore_rl.sync.plan import RankBucket, SyncPlan
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -67,7 +69,12 @@ class LiveShards:
                     t = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
                 else:
                     t = torch.cat(parts, dim=dim)
-        out = {h: x.to(self.plan.tensors[h].dtype) for h, x in p.to_hf(self.plan.hf, t).items()}
+        out = {}
+        for h, x in p.to_hf(self.plan.hf, t).items():
+            if self.plan.tensors[h].dtype == fp8.E4M3:  # quantized here, on the trainer's device
+                out[h], out[fp8.scale_name(h)] = fp8.quantize(x)
+            else:
+                out[h] = x.to(self.plan.tensors[h].dtype)
         for h, x in out.items():
             if tuple(x.shape) != self.plan.tensors[h].shape:
                 raise RuntimeError(f"{h}: assembled shape {tuple(x.shape)} but the plan says "

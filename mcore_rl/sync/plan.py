@@ -6,7 +6,10 @@ megatron layout and the SGLang engine layout, before any transfer. Rules it enfo
   engine ranks that own expert i, so nobody ever builds a fused [E, 2I, H] tensor;
 - q_a_proj and kv_a_proj_with_mqa of a layer always share a bucket (SGLang fuses them only when
   both arrive in the same load_weights call; split, the fused parameter silently stays stale);
-- GPUs per node come from the placement (`EngineLayout.gpus_per_node`), never a default.
+- GPUs per node come from the placement (`EngineLayout.gpus_per_node`), never a default;
+- with FP8 engine weights (`weight_dtype="fp8"`) every weight the engine runs in FP8
+  (`engine_layout.runs_in_fp8`) travels as e4m3 with its `weight_scale_inv` beside it, in the
+  same bucket (the engine needs both to use either).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from converters.mappings import Param, mapping_for
+from mcore_rl.sync import fp8
 from mcore_rl.models.config import HFModel, validate_layout
 from mcore_rl.parallel import Layout
 
@@ -84,7 +88,10 @@ class EngineLayout:
 
 
 def hf_shape(hf: HFModel, name: str) -> tuple[int, ...]:
-    """Shape of HF tensor `name` from the config alone (so plans for any size need no weights)."""
+    """Shape of HF tensor `name` from the config alone (so plans for any size need no weights);
+    a `weight_scale_inv` has one entry per 128 x 128 block of its weight."""
+    if name.endswith(fp8.SCALE_SUFFIX):
+        return fp8.scale_shape(hf_shape(hf, name.removesuffix(fp8.SCALE_SUFFIX)))
     c, H = hf.cfg, hf.hidden_size
     heads = hf.num_attention_heads
     leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else name.split(".")[-1]
@@ -171,16 +178,28 @@ class SyncPlan:
     holders: dict[str, list[int]]  # megatron param -> trainer ranks that hold it after gathering
     buckets: list[dict[int, RankBucket]]  # per bucket: trainer rank -> its part
     engine_rank_of: dict[int, int]  # trainer rank -> engine tp rank whose payload it produces
+    outputs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # megatron param -> HF tensors sent
+
+    def names_of(self, p: Param) -> tuple[str, ...]:
+        """The HF tensors param p becomes on the wire: its HF names, plus their scales in FP8."""
+        return self.outputs.get(p.mcore, p.hf)
 
     @classmethod
     def build(cls, hf: HFModel, trainer: Layout, world: int, engine: EngineLayout,
               engine_rank_of: dict[int, int], bucket_bytes: int = 512 << 20,
-              dtype: torch.dtype = torch.bfloat16) -> "SyncPlan":
+              dtype: torch.dtype = torch.bfloat16, weight_dtype: str = "bf16") -> "SyncPlan":
         """`engine_rank_of` maps each trainer rank that feeds an engine to its engine tp rank:
         the colocated rank on the same GPU (CUDA IPC; with several data-parallel engines every
         tp rank appears once per engine), or {0: every engine rank}-style single source for NCCL
-        broadcast / disk (pass `single_source(engine)`)."""
+        broadcast / disk (pass `single_source(engine)`). `weight_dtype="fp8"`: the weights the
+        engine runs in FP8 are quantized in the sync (`mcore_rl.sync.fp8`)."""
+        from mcore_rl.sync.engine_layout import runs_in_fp8
+
         engine.validate(hf)
+        if weight_dtype not in ("bf16", "fp8"):
+            raise PlanError(f"weight_dtype={weight_dtype!r}: use 'bf16' or 'fp8'")
+        if weight_dtype == "fp8" and not hf.is_mla:
+            raise PlanError(f"FP8 engine weights are wired for DeepSeek-V3-style (MLA) models, not {hf.model_type}")
         try:
             validate_layout(hf, trainer.tp, trainer.pp, trainer.ep, trainer.etp)
         except ValueError as e:
@@ -204,15 +223,21 @@ class SyncPlan:
         params = list(mapping_for(hf).params(hf))
         stages = stage_layers(hf.num_layers, trainer.pp)
         coords = [trainer_coords(r, world, trainer) for r in range(world)]
-        tensors, holders = {}, {}
+        tensors, holders, outputs = {}, {}, {}
         for p in params:
             for h in p.hf:
                 tensors[h] = Tensor(h, hf_shape(hf, h), torch.float32 if keeps_fp32(h, hf) else dtype, p)
+            if weight_dtype == "fp8" and runs_in_fp8(p.hf[0], hf):
+                scales = tuple(fp8.scale_name(h) for h in p.hf)
+                for h, s in zip(p.hf, scales):
+                    tensors[h] = Tensor(h, tensors[h].shape, fp8.E4M3, p)
+                    tensors[s] = Tensor(s, hf_shape(hf, s), torch.float32, p)
+                outputs[p.mcore] = p.hf + scales
             holders[p.mcore] = [r for r, (pp_rank, _, ep_rank) in enumerate(coords)
                                 if _holds(p, pp_rank, ep_rank, stages, hf, trainer)]
             if not holders[p.mcore]:
                 raise PlanError(f"no trainer rank holds {p.mcore}")
-        plan = cls(hf, trainer, world, engine, tensors, holders, [], dict(engine_rank_of))
+        plan = cls(hf, trainer, world, engine, tensors, holders, [], dict(engine_rank_of), outputs)
         plan._bucket(params, bucket_bytes, single)
         return plan
 
@@ -240,7 +265,7 @@ class SyncPlan:
         current: dict[int, RankBucket] = {}
         for unit in units:
             dests = {p.mcore: self._needs(p, single) for p in unit}
-            size = {t: sum(self.tensors[h].nbytes for p in unit if t in dests[p.mcore] for h in p.hf)
+            size = {t: sum(self.tensors[h].nbytes for p in unit if t in dests[p.mcore] for h in self.names_of(p))
                     for t in self.engine_rank_of}
             if current and any(current.get(t, RankBucket()).payload_bytes + size[t] > cap
                                for t in size if size[t]):
@@ -260,7 +285,7 @@ class SyncPlan:
             bucket.setdefault(r, RankBucket()).gather.append(p)
         for d in dests:
             src = d if d in holders else holders[d % len(holders)]
-            for h in p.hf:
+            for h in self.names_of(p):
                 if src != d:
                     bucket.setdefault(src, RankBucket()).sends.append((h, d))
                     bucket.setdefault(d, RankBucket()).recvs.append((h, src))
@@ -278,7 +303,7 @@ class SyncPlan:
         for t, r in self.engine_rank_of.items():
             got = set(self.payload_names(t))
             want = {h for p in {x.param for x in self.tensors.values()}
-                    for h in p.hf if t in self._needs(p, r == -1)}
+                    for h in self.names_of(p) if t in self._needs(p, r == -1)}
             if want - got:
                 raise PlanError(f"trainer rank {t} (engine rank {r}) is missing {sorted(want - got)[:3]}")
 
