@@ -159,9 +159,11 @@ def _engine_shard(hf: HFModel, hf_name: str, tp: int, ep: int, rank: int):
 
 
 def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
-                   dtype: torch.dtype = torch.bfloat16) -> dict[str, EngineTensor]:
-    """The SGLang model's tensors on engine rank `rank` (experts: the rank's contiguous block)."""
-    from mcore_rl.sync.engine_layout import keeps_fp32
+                   dtype: torch.dtype = torch.bfloat16, weight_dtype: str = "bf16") -> dict[str, EngineTensor]:
+    """The SGLang model's tensors on engine rank `rank` (experts: the rank's contiguous block).
+    `weight_dtype="fp8"`: what the engine runs in FP8 is e4m3 plus an fp32 weight_scale_inv."""
+    from mcore_rl.sync import fp8
+    from mcore_rl.sync.engine_layout import keeps_fp32, runs_in_fp8
 
     ep_rank = rank // (tp // ep)
     per_ep = hf.num_experts // ep if hf.num_experts else 0
@@ -171,13 +173,18 @@ def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
     for w in weights:
         if w.expert is not None and w.expert not in mine:
             continue
+        tensors = []
         for hf_name, shape in w.hf:
+            if weight_dtype == "fp8" and runs_in_fp8(hf_name, hf):
+                tensors += [(hf_name, shape, fp8.E4M3), (fp8.scale_name(hf_name), fp8.scale_shape(shape), torch.float32)]
+            else:
+                tensors.append((hf_name, shape, torch.float32 if keeps_fp32(hf_name, hf) else dtype))
+        for hf_name, shape, tdtype in tensors:
             name, expert = _engine_name(hf, hf_name)
             dim, parts, index = _engine_shard(hf, hf_name, tp, ep, rank)
             local = list(shape)
             if dim is not None:
                 local[dim] //= parts
-            tdtype = torch.float32 if keeps_fp32(hf_name, hf) else dtype
             t = out.setdefault(name, EngineTensor(name, tdtype))
             slot = None if expert is None else expert - mine.start
             t.pieces.append((hf_name, dim, parts, index, slot if slot is not None else -1))
@@ -191,5 +198,5 @@ def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
                 t.shape = tuple(rows[name])
             if hf_name.endswith("kv_b_proj.weight"):
                 derived = hf_name.replace("kv_b_proj.weight", "w_kc_w_vc")
-                out[derived] = EngineTensor(derived, tdtype, shape=tuple(local), derived_from=name)
+                out[derived] = EngineTensor(derived, dtype, shape=tuple(local), derived_from=name)  # upper bound: SGLang may keep them FP8
     return out

@@ -47,7 +47,9 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
 Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
   weights    = the rank's tensors in SGLang's layout (`layout.engine_tensors`): vocab-split
                embeddings/lm_head, replicated q_a/kv_a, experts E/ep per rank split over moe_tp,
-               plus SGLang's w_kc/w_vc copies of kv_b_proj
+               plus SGLang's w_kc/w_vc copies of kv_b_proj; with rollout.weight_dtype=fp8 the
+               linear weights are 1 B an element plus an fp32 scale per 128 x 128 block (w_kc/w_vc
+               stay in the model dtype)
   KV cache   per token: MLA (kv_lora_rank + qk_rope_head_dim) * L * 2 B (not split over tp);
                MHA/GQA 2 * max(1, kv_heads / tp) * head_dim * L * 2 B
   mem_fraction_static f: SGLang measures the free memory P before loading (pre_model_load_memory)
@@ -118,6 +120,7 @@ class PlanInputs:
     micro_tokens: int = 4096
     rollout_tp: int = 1
     rollout_ep: int = 1
+    rollout_weight_dtype: str = "bf16"  # fp8: the engine's linear weights in block FP8 (+ fp32 scales)
     mem_fraction_static: float | None = None  # None: pick
     seq_len: int = 4096  # one full sequence (prompt + response) must fit in the KV cache
     cuda_graph_max_bs: int = 256
@@ -164,7 +167,7 @@ class PlanInputs:
             fused_logprobs=gpu if a.fused_logprobs is None else a.fused_logprobs,
             fused_adam=gpu if a.fused_adam is None else a.fused_adam,
             packed_attention=a.packed_attention or ("varlen" if gpu else "sdpa"),
-            rollout_tp=r.tp_size, rollout_ep=r.ep_size,
+            rollout_tp=r.tp_size, rollout_ep=r.ep_size, rollout_weight_dtype=r.weight_dtype,
             mem_fraction_static=None if m.auto_mem_fraction else r.mem_fraction_static,
             seq_len=seq, cuda_graph_max_bs=r.cuda_graph_max_bs, chunked_prefill_size=r.chunked_prefill_size,
             cuda_graph_bytes=None if m.cuda_graph_gb is None else int(m.cuda_graph_gb * GiB),
@@ -324,7 +327,8 @@ def engine_weight_bytes(hf: HFModel, i: PlanInputs) -> int:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[i.dtype]
-    ts = engine_tensors(hf, inventory(hf), tp=i.rollout_tp, ep=i.rollout_ep, dtype=dtype)
+    ts = engine_tensors(hf, inventory(hf), tp=i.rollout_tp, ep=i.rollout_ep, dtype=dtype,
+                        weight_dtype=i.rollout_weight_dtype)
     return sum(t.nbytes for t in ts.values())
 
 
