@@ -190,6 +190,24 @@ def test_rollout_correction_and_dapo_settings_checked_up_front():
     assert not cfg.algorithm.filter_groups.enable and cfg.trainer.rollout_dump_dir is None
 
 
+def test_fp8_rollout_turns_token_tis_on_and_says_so():
+    from mcore_rl.ppo import correction_line, correction_settings
+
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    bf16, fp8 = load_config(tiny), load_config(tiny, ["rollout.weight_dtype=fp8"])
+    assert correction_settings(bf16)["rollout_is"] is None and correction_line(bf16) is None
+    assert correction_settings(fp8)["rollout_is"] == "token" and correction_settings(fp8)["rollout_is_threshold"] == 2.0
+    assert "rollout correction {'rollout_is': 'token', 'rollout_is_threshold': 2.0}" in correction_line(fp8)
+    chosen = load_config(tiny, ["rollout.weight_dtype=fp8", "algorithm.rollout_correction.rollout_rs=token_k1",
+                                "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0"])
+    assert correction_settings(chosen)["rollout_is"] is None  # a configured correction is kept as it is
+    assert correction_settings(load_config(tiny, ["rollout.weight_dtype=fp8", "actor.tis_imp_ratio_cap=3"])) \
+        ["rollout_is_threshold"] == 3
+    dense = dict(model_type="qwen2", hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    assert "rollout.weight_dtype=fp8 is wired for DeepSeek-V3-style models, not qwen2" in errors_of(
+        ["rollout.weight_dtype=fp8"], path=tiny, model_info=dense)
+
+
 def test_routing_replay_is_refused_where_no_routes_come_back():
     tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
     assert load_config(tiny, ["actor.routing_replay=true"]).actor.routing_replay
