@@ -61,3 +61,27 @@ def test_an_all_zero_block_dequantizes_to_zeros_not_nan():
     mask = torch.ones_like(q, dtype=torch.bool)
     mask[:128, 128:] = False
     assert torch.equal(q.view(torch.uint8)[mask], ref_q.view(torch.uint8)[mask])
+
+
+def test_an_fp8_engine_starts_from_an_fp8_checkpoints_config(tmp_path):
+    import json
+    import os
+
+    from mcore_rl.config import load_config
+    from mcore_rl.rollout.sglang import engine_args, engine_env, engine_model_dir
+    from mcore_rl.sync.plan import EngineLayout
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "configs", "tiny_cpu.yaml"), ["rollout.weight_dtype=fp8"])
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(cfg.model.hf_config))
+    out = engine_model_dir(str(hf), str(tmp_path / "engine"), [1], "cpu", "fp8")
+    written = json.loads((tmp_path / "engine" / "config.json").read_text())
+    assert written["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                              "weight_block_size": [128, 128]}
+    args = engine_args(cfg, out, EngineLayout(1, 1, 1, 1), 0, None, 0.5)
+    assert args["load_format"] == "dummy"  # every weight comes from the first (read-back) sync
+    assert engine_env(cfg, EngineLayout(1, 1, 1, 1))["SGLANG_ENABLE_JIT_DEEPGEMM"] == "0"
+    plain = engine_model_dir(str(hf), str(tmp_path / "plain"), [1], "cpu")
+    assert "quantization_config" not in json.loads(open(os.path.join(plain, "config.json")).read())
