@@ -817,6 +817,13 @@ def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
         errors.append(f"rollout.weight_dtype=fp8 needs rollout.engine=sglang, not {cfg.rollout.engine}")
     if hf is not None and not str(hf.get("model_type", "")).startswith("deepseek"):
         errors.append(f"rollout.weight_dtype=fp8 is wired for DeepSeek-V3-style models, not {hf.get('model_type')}")
+    elif hf is not None and cfg.rollout.engine == "sglang":  # SGLang would refuse at start; say why here
+        from mcore_rl.models.config import HFModel
+        from mcore_rl.sync.plan import EngineLayout, fp8_misfits
+
+        tp = cfg.rollout.tp_size
+        errors.extend(f"rollout.weight_dtype=fp8: {line}" for line in
+                      fp8_misfits(HFModel.from_dict(hf), EngineLayout(tp, cfg.rollout.ep_size, 1, tp)))
 
 
 def returns_routes(cfg: Config, hf: dict | None = None) -> bool:
@@ -864,7 +871,7 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
         _check_sglang(errors, hf)
     _check_algorithm(cfg, errors)
     _check_corrections(cfg, errors)
-    _check_fp8(cfg, errors, hf)
+    _check_fp8(cfg, errors, hf if sound else None)
     if errors:
         raise ConfigError(errors)
     if cfg.rollout.max_prompt_len is None:
