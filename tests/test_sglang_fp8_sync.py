@@ -1,6 +1,7 @@
 """FP8 engine weights (rollout.weight_dtype: fp8) against SGLang's own FP8 model, loader and dequant.
 
-Two gloo processes each hold a megatron rank (TP=2, fp32, loaded through our converter) and an
+Two gloo processes each hold a megatron rank (EP=2, fp32, loaded through our converter: each rank
+sends its experts' FP8 bytes to the other) and an
 SGLang rank of DeepseekV2ForCausalLM built with SGLang's Fp8Config (block FP8, TP=2). The sync
 quantizes and sends over the CUDA-IPC transport path into SGLang's WeightUpdater (as
 tests/test_sglang_sync.py does for bf16). What the engine then holds must equal, bit for bit, the
@@ -77,15 +78,16 @@ def _worker(rank, root, out):
 
     hf_dir, fp8_dir = os.path.join(root, "hf"), os.path.join(root, "fp8")
     hf = HFModel.from_dir(hf_dir)
-    trainer = Layout(tp=2)
+    trainer = Layout(ep=2)
     init_distributed(trainer)
-    model = build_model(hf, transformer_config(hf, tp=2, dtype=torch.float32, cpu=True))
+    model = build_model(hf, transformer_config(hf, ep=2, dtype=torch.float32, cpu=True))
     load_model(model, os.path.join(root, "ckpt"))
     sglang_reference.init_sglang_parallel(rank, 2, 2, 1, fp8_dir)
     engine_layout = EngineLayout(2, 1, 1, 2)
     plan = SyncPlan.build(hf, trainer, 2, engine_layout, {0: 0, 1: 1}, 48 << 10, torch.float32, weight_dtype="fp8")
     synced = sglang_reference.build_model(fp8_dir)
     engine = ThreadedEngine(synced, rank, dist.new_group(backend="gloo"), fp8_dir)
+    moved = sum(len(b.recvs) for b in plan.for_rank(rank))
     sent = ExpectedDigests(engine_layout, hf, [rank])
     stats = sync_weights(plan, LiveShards(model, plan), _transport("ipc", engine, plan, root, fp8_dir),
                          observe=sent.add)
@@ -128,7 +130,7 @@ def _worker(rank, root, out):
     ps.destroy_model_parallel()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(dict(tensors=len(want), differ=differ[:10], n_differ=len(differ), fp8_params=fp8_params,
-                       buckets=stats["buckets"], readback=readback, tampered=tampered, dequant=dequant,
+                       buckets=stats["buckets"], moved=moved, readback=readback, tampered=tampered, dequant=dequant,
                        cpu_engine=cpu_engine), f)
 
 
@@ -152,7 +154,7 @@ def test_fp8_sync_equals_sglang_loading_the_fp8_checkpoint(results):
     assert len(quantized) == 2 * 5 + 3 + 3 + 8 * 3  # attention x 2 layers, dense MLP, shared expert, experts
     for r in ranks:
         assert r["n_differ"] == 0 and r["tensors"] > 20, r["differ"]
-        assert r["buckets"] > 3
+        assert r["buckets"] > 3 and r["moved"] >= 2 * 4 * 3  # the other rank's experts: weights and scales
         # every linear layer SGLang runs in FP8 holds e4m3: attention, dense MLP, shared and routed experts
         assert r["fp8_params"] == sorted(
             [f"model.layers.{i}.self_attn.{x}.weight" for i in (0, 1)

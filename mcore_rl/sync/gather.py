@@ -87,15 +87,21 @@ def assemble(rb: RankBucket, shards: LiveShards) -> list[tuple[str, torch.Tensor
     have: dict[str, torch.Tensor] = {}
     for p in rb.gather:
         have.update(shards.full(p))
-    ops = [dist.P2POp(dist.isend, have[h], dst) for h, dst in rb.sends]
+    ops = [dist.P2POp(dist.isend, _as_bytes(have[h]), dst) for h, dst in rb.sends]
     for h, src in rb.recvs:
         t = shards.plan.tensors[h]
         have[h] = torch.empty(t.shape, dtype=t.dtype, device=_device())
-        ops.append(dist.P2POp(dist.irecv, have[h], src))
+        ops.append(dist.P2POp(dist.irecv, _as_bytes(have[h]), src))
     if ops:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
     return [(t.name, have[t.name]) for t in rb.payload]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 travels as its bytes (a view: receiving into it fills the FP8 tensor), so the move does not
+    depend on the backend knowing float8 (older NCCL builds do not; gloo in torch 2.13 does)."""
+    return t.view(torch.uint8) if t.dtype == fp8.E4M3 else t
 
 
 def _device() -> torch.device:
