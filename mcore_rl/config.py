@@ -289,6 +289,14 @@ class TrainerConfig:
     max_checkpoints: int | None = None  # keep the newest N complete checkpoints; null keeps all
     async_save: bool = False  # checkpoint files written in the background while the next rollout runs
     rollout_dump_dir: str | None = None  # each step's rollout to DIR/step_N.pt (`--replay DIR` trains on it)
+    # sync: each step waits for its own rollout. one_step_off: step k trains on the rollout made with
+    # step k-1's weights while step k+1's is generated (mcore_rl/async_loop.py); needs engines on
+    # resources of their own (cluster.colocate: false)
+    mode: Literal["sync", "one_step_off"] = "sync"
+    # off-policy modes: PPO's ratio against the trainer's (proximal) log-probs, times the engine's
+    # (behaviour) ratio truncated at algorithm.rollout_correction.rollout_is_threshold, unless a
+    # rollout correction is configured (decoupled PPO, as AReaL's)
+    decoupled_loss: bool = True
     logger: list[Logger] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 1
 
@@ -633,6 +641,9 @@ def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) ->
         errors.append(f"rollout.tp_size = {r.tp_size} must divide the rollout's {rollout_gpus(cfg)} {unit}")
     if r.tp_size % r.ep_size:
         errors.append(f"rollout.ep_size = {r.ep_size} must divide rollout.tp_size = {r.tp_size}")
+    if cfg.trainer.mode != "sync" and c.colocate:
+        errors.append(f"trainer.mode '{cfg.trainer.mode}' overlaps rollout and training: it needs the engines on "
+                      f"{unit} of their own (cluster.colocate: false, cluster.rollout_gpus: N)")
     if r.engine == "embedded" and not c.colocate:
         errors.append("rollout.engine 'embedded' samples on the trainer's own shards: it needs cluster.colocate: true")
     if r.engine != "embedded" and r.sync_transport == "ipc" and not c.colocate:

@@ -93,10 +93,14 @@ def reward_shaping(cfg: C.Config, batch: dict) -> torch.Tensor:
 
 
 def correction_settings(cfg: C.Config) -> dict:
-    """algorithm.rollout_correction, with actor.tis_imp_ratio_cap (verl's older key) as token-level TIS."""
+    """algorithm.rollout_correction, with actor.tis_imp_ratio_cap (verl's older key) as token-level TIS;
+    an off-policy trainer.mode with decoupled_loss and no correction of its own: token-level TIS, the
+    behaviour weight of decoupled PPO (the trainer's old log-probs are then the proximal policy)."""
     corr = dataclasses.asdict(cfg.algorithm.rollout_correction)
     if cfg.actor.tis_imp_ratio_cap is not None:
         corr.update(rollout_is="token", rollout_is_threshold=cfg.actor.tis_imp_ratio_cap)
+    elif cfg.trainer.mode != "sync" and cfg.trainer.decoupled_loss and corr["rollout_is"] is None:
+        corr["rollout_is"] = "token"
     return corr
 
 

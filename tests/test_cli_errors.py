@@ -93,6 +93,9 @@ CASES = [
     Case("num_attention_heads 0, vLLM on CPU", CONFIG[:3], ("model.hf_config.num_attention_heads=0",
                                                           "rollout.engine=vllm"),
          "invalid config: model.hf_config: num_attention_heads must be an integer >= 1, got 0"),
+    Case("async mode colocated", CONFIG, ("trainer.mode=one_step_off",),
+         "trainer.mode 'one_step_off' overlaps rollout and training: it needs the engines on processes of their "
+         "own (cluster.colocate: false"),
     Case("unsupported model_type", CONFIG, ("model.hf_config.model_type=gpt_neox", "memory.gpu_memory_gb=80"),
          "model.hf_config: unknown model_type 'gpt_neox': supported are deepseek_v3"),
     Case("unsupported model_type on disk", CONFIG,
