@@ -1,0 +1,160 @@
+"""trainer.mode=one_step_off: generation overlaps training, one policy version behind.
+
+The engines sit on resources of their own (cluster.colocate: false). Step k's batch is handed
+over and step k+1's generation starts on a rollout thread at once, with the weights the engines
+hold (step k-1's), while the trainer trains on step k's batch; the weight sync after step k waits
+for that generation to end, so the engines switch weights only between batches:
+
+    engine:  [gen 1 (v0)]  [gen 2 (v0) ......]  [gen 3 (v1) ......]  [gen 4 (v2) ...
+    trainer:              [train 1 -> v1] sync  [train 2 -> v2] sync  [train 3 -> v3] sync
+
+so every step after the first trains on samples one version old (step 1, and the first step after
+a resume, on fresh ones). Every response token records the version of the weights that sampled it
+(batch["token_versions"]); staleness is per sample, counted from its oldest token.
+
+`OneStepOff` stands in for the engine in train.rl_step (its `step_batch`, as a rollout replay's)
+and wraps the weight sync; nothing else of the loop changes. A killed run resumes from its
+checkpoint and regenerates the step in flight (its prompts follow from the step number).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from mcore_rl import config as C
+
+
+def staleness_metrics(token_versions: torch.Tensor, response_mask: torch.Tensor, trainer_version: int) -> dict:
+    """async/* of one batch: per sample, staleness = trainer_version - the version of its oldest
+    token; a sample is partial when its tokens come from more than one version."""
+    mask = response_mask.bool()
+    big = torch.iinfo(token_versions.dtype).max
+    oldest = torch.where(mask, token_versions, big).min(1).values
+    newest = torch.where(mask, token_versions, -1).max(1).values
+    has = mask.any(1)
+    stale = (trainer_version - oldest[has]).float()
+    if stale.numel() == 0:
+        return {}
+    return {"async/staleness_mean": stale.mean().item(), "async/staleness_max": stale.max().item(),
+            "async/partial_fraction": (newest[has] > oldest[has]).float().mean().item()}
+
+
+class BusyClock:
+    """When a resource was busy, to report the idle share of a window."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float | None]] = []  # (start, end or None while busy)
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        with self.lock:
+            self.spans.append((time.monotonic(), None))
+
+    def stop(self) -> None:
+        with self.lock:
+            self.spans[-1] = (self.spans[-1][0], time.monotonic())
+
+    def busy_in(self, t0: float, t1: float) -> float:
+        with self.lock:
+            spans = list(self.spans)
+            self.spans = [s for s in spans if s[1] is None or s[1] > t1]  # older spans are counted
+        return sum(max(0.0, min(end if end is not None else t1, t1) - max(start, t0)) for start, end in spans)
+
+
+class OneStepOff:
+    """The rollout of the next step generated ahead, on one thread driving the engines.
+
+    sample(step, prompts, seed) -> (batch, idx, score, reward, metrics) generates a step's batch
+    (dynamic_sampling.sample_step_batch); prompts_of(step) gives a step's prompt indices."""
+
+    owns_weights = True
+
+    def __init__(self, engine, sync: Callable[[int], dict], sample: Callable, prompts_of: Callable[[int], list[int]],
+                 last_step: int, start_version: int, seed: int):
+        self.engine, self._sync, self.sample, self.prompts_of = engine, sync, sample, prompts_of
+        self.last_step, self.seed = last_step, seed
+        self.version = start_version  # the weights the engines hold: the number of updates they include
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        self.pending: dict[int, Future] = {}
+        self.engine_clock, self.trainer_waits = BusyClock(), BusyClock()
+        self.window_start = time.monotonic()
+
+    # ---- the rollout side -------------------------------------------------------------------------
+    def _launch(self, step: int) -> None:
+        version = self.version
+
+        def generate():
+            self.engine_clock.start()
+            t = time.perf_counter()
+            try:
+                out = self.sample(self.prompts_of(step), self.seed * 100003 + step)
+            finally:
+                self.engine_clock.stop()
+            batch = out[0]
+            batch["token_versions"] = torch.full(batch["response_mask"].shape, version, dtype=torch.long)
+            out[4]["timing/generate"] = time.perf_counter() - t
+            return out
+
+        self.pending[step] = self.pool.submit(generate)
+
+    def _wait(self, future: Future):
+        self.trainer_waits.start()
+        try:
+            return future.result()
+        finally:
+            self.trainer_waits.stop()
+
+    def _wait_idle(self) -> None:
+        """Until the generation in flight has ended (its batch stays pending for its step)."""
+        for future in list(self.pending.values()):
+            if not future.done():
+                self._wait(future)
+
+    # ---- what train.py calls ----------------------------------------------------------------------
+    def step_batch(self, step: int):
+        """Step `step`'s scored batch (generated ahead, or now for the first step of a run); starts
+        the next step's generation before returning it."""
+        if step not in self.pending:
+            self._launch(step)
+        batch, idx, score, reward, metrics = self._wait(self.pending.pop(step))
+        if step + 1 <= self.last_step:
+            self._launch(step + 1)
+        now = self.window_start, time.monotonic()
+        window = max(now[1] - now[0], 1e-9)
+        self.window_start = now[1]
+        metrics.update(staleness_metrics(batch["token_versions"], batch["response_mask"], trainer_version=step - 1))
+        metrics.update({"async/engine_idle_fraction": 1 - self.engine_clock.busy_in(*now) / window,
+                        "async/trainer_idle_fraction": self.trainer_waits.busy_in(*now) / window,
+                        "perf/samples_per_s": len(idx) / window})
+        return batch, idx, score, reward, metrics
+
+    def sync(self, step: int | None = None, verify: bool | None = None) -> dict:
+        """The weight sync after step `step`'s update, once the engines are between batches."""
+        self._wait_idle()
+        out = self._sync(step, verify)
+        self.version = step
+        return out
+
+    def generate(self, prompts, params):
+        """Validation: on the engines once they are between batches."""
+        self._wait_idle()
+        return self.engine.generate(prompts, params)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def wrap(cfg: C.Config, engine, sync, source, prompts_of: Callable[[int], list[int]], last_step: int,
+         start: int) -> OneStepOff:
+    """The configured off-policy mode around `engine` and its weight `sync`."""
+    from mcore_rl.dynamic_sampling import sample_step_batch
+
+    if cfg.trainer.mode != "one_step_off":
+        raise C.ConfigError(f"trainer.mode {cfg.trainer.mode!r} has no async loop")
+    return OneStepOff(engine, sync, lambda prompts, seed: sample_step_batch(cfg, engine, source, prompts, seed),
+                      prompts_of, last_step, start_version=start, seed=cfg.trainer.seed)
