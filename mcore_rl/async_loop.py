@@ -1,4 +1,11 @@
-"""trainer.mode=one_step_off: generation overlaps training, one policy version behind.
+"""The async trainer modes: generation overlaps training (engines on resources of their own).
+
+`OneStepOff` (trainer.mode=one_step_off), below; `FullyAsync` (fully_async): a rollout worker
+(mcore_rl.rollout.buffer) keeps the engines busy, the trainer takes finished groups, weights
+are synced every trainer.sync_every updates between two pieces of a partial rollout, and groups
+past trainer.max_staleness are regenerated.
+
+one_step_off, generation one policy version behind:
 
 The engines sit on resources of their own (cluster.colocate: false). Step k's batch is handed
 over and step k+1's generation starts on a rollout thread at once, with the weights the engines
@@ -12,9 +19,11 @@ so every step after the first trains on samples one version old (step 1, and the
 a resume, on fresh ones). Every response token records the version of the weights that sampled it
 (batch["token_versions"]); staleness is per sample, counted from its oldest token.
 
-`OneStepOff` stands in for the engine in train.rl_step (its `step_batch`, as a rollout replay's)
-and wraps the weight sync; nothing else of the loop changes. A killed run resumes from its
-checkpoint and regenerates the step in flight (its prompts follow from the step number).
+Both stand in for the engine in train.rl_step (their `step_batch`, as a rollout replay's) and wrap
+the weight sync; nothing else of the loop changes. A killed run resumes from its checkpoint and
+regenerates what was in flight: one_step_off exactly the step's prompts (they follow from the step
+number); fully_async restarts its prompt stream at the step after the checkpoint, which is only
+approximately where the buffer stood (a prompt may be seen again or skipped).
 """
 
 from __future__ import annotations
@@ -66,6 +75,26 @@ class BusyClock:
         return sum(max(0.0, min(end if end is not None else t1, t1) - max(start, t0)) for start, end in spans)
 
 
+class StepClocks:
+    """The engines' generation and the trainer's waits, reported per step over the time since the
+    step before handed over its batch."""
+
+    def __init__(self):
+        self.engine, self.trainer_waits = BusyClock(), BusyClock()
+        self.window_start = time.monotonic()
+
+    def step_metrics(self, batch: dict, step: int) -> dict:
+        t0, t1 = self.window_start, time.monotonic()
+        window = max(t1 - t0, 1e-9)
+        self.window_start = t1
+        # step k trains weights with k - 1 updates in them
+        out = staleness_metrics(batch["token_versions"], batch["response_mask"], trainer_version=step - 1)
+        out.update({"async/engine_idle_fraction": 1 - self.engine.busy_in(t0, t1) / window,
+                    "async/trainer_idle_fraction": self.trainer_waits.busy_in(t0, t1) / window,
+                    "perf/samples_per_s": len(batch["response_mask"]) / window})
+        return out
+
+
 class OneStepOff:
     """The rollout of the next step generated ahead, on one thread driving the engines.
 
@@ -81,20 +110,19 @@ class OneStepOff:
         self.version = start_version  # the weights the engines hold: the number of updates they include
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
         self.pending: dict[int, Future] = {}
-        self.engine_clock, self.trainer_waits = BusyClock(), BusyClock()
-        self.window_start = time.monotonic()
+        self.clocks = StepClocks()
 
     # ---- the rollout side -------------------------------------------------------------------------
     def _launch(self, step: int) -> None:
         version = self.version
 
         def generate():
-            self.engine_clock.start()
+            self.clocks.engine.start()
             t = time.perf_counter()
             try:
                 out = self.sample(self.prompts_of(step), self.seed * 100003 + step)
             finally:
-                self.engine_clock.stop()
+                self.clocks.engine.stop()
             batch = out[0]
             batch["token_versions"] = torch.full(batch["response_mask"].shape, version, dtype=torch.long)
             out[4]["timing/generate"] = time.perf_counter() - t
@@ -103,11 +131,11 @@ class OneStepOff:
         self.pending[step] = self.pool.submit(generate)
 
     def _wait(self, future: Future):
-        self.trainer_waits.start()
+        self.clocks.trainer_waits.start()
         try:
             return future.result()
         finally:
-            self.trainer_waits.stop()
+            self.clocks.trainer_waits.stop()
 
     def _wait_idle(self) -> None:
         """Until the generation in flight has ended (its batch stays pending for its step)."""
@@ -124,16 +152,10 @@ class OneStepOff:
         batch, idx, score, reward, metrics = self._wait(self.pending.pop(step))
         if step + 1 <= self.last_step:
             self._launch(step + 1)
-        now = self.window_start, time.monotonic()
-        window = max(now[1] - now[0], 1e-9)
-        self.window_start = now[1]
-        metrics.update(staleness_metrics(batch["token_versions"], batch["response_mask"], trainer_version=step - 1))
-        metrics.update({"async/engine_idle_fraction": 1 - self.engine_clock.busy_in(*now) / window,
-                        "async/trainer_idle_fraction": self.trainer_waits.busy_in(*now) / window,
-                        "perf/samples_per_s": len(idx) / window})
+        metrics.update(self.clocks.step_metrics(batch, step))
         return batch, idx, score, reward, metrics
 
-    def sync(self, step: int | None = None, verify: bool | None = None) -> dict:
+    def sync(self, step: int, verify: bool | None = None) -> dict:
         """The weight sync after step `step`'s update, once the engines are between batches."""
         self._wait_idle()
         out = self._sync(step, verify)
@@ -149,12 +171,96 @@ class OneStepOff:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def samples_batch(source, samples: list, experts=None, engine_label: str = "the rollout engine") -> dict:
+    """The batch of finished rollout.buffer Samples, as ppo.rollout makes it, plus token_versions
+    [B, R] (0 past each response) aligned with the response tokens, mask and log-probs."""
+    from mcore_rl import ppo
+
+    batch = ppo.completions_batch(source, [s.prompt_index for s in samples], [s.completion() for s in samples],
+                                  experts, engine_label)
+    versions = torch.zeros(batch["response_mask"].shape, dtype=torch.long)
+    for row, s in enumerate(samples):
+        versions[row, :len(s.versions)] = torch.as_tensor(s.versions, dtype=torch.long)
+    batch["token_versions"] = versions
+    return batch
+
+
+class FullyAsync:
+    """trainer.mode=fully_async: a rollout worker (mcore_rl.rollout.buffer) keeps the engines
+    generating groups; each step takes data.train_batch_size finished groups, regenerating any with
+    a token more than trainer.max_staleness versions older than the trainer's weights. The weights
+    go to the engines every trainer.sync_every updates, between two pieces of the responses in
+    flight (partial rollout: trainer.partial_rollout_tokens)."""
+
+    owns_weights = True
+
+    def __init__(self, cfg: C.Config, engine, sync: Callable, source, prompts_of: Callable[[int], list[int]],
+                 start: int):
+        from mcore_rl import ppo
+        from mcore_rl.rollout.buffer import RolloutWorker
+        from mcore_rl.routing import ExpertLayout
+
+        t = cfg.trainer
+        self.cfg, self.engine, self._sync, self.source = cfg, engine, sync, source
+        self.sync_every, self.max_staleness = t.sync_every, t.max_staleness
+        self.experts = ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
+        self.clocks = StepClocks()
+        self.batch_groups = cfg.data.train_batch_size
+
+        def prompt_stream():  # the steps' prompts in order, from the step after `start` on
+            step = start + 1
+            while True:
+                yield from prompts_of(step)
+                step += 1
+
+        params = ppo.sampling_params(cfg, source, t.seed * 100003 + start)
+        # one batch in flight or waiting while the trainer trains on another
+        self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
+                                    cfg.rollout.max_response_len, t.partial_rollout_tokens, 2 * self.batch_groups,
+                                    start, self.clocks.engine, self.clocks.trainer_waits)
+
+    def step_batch(self, step: int):
+        from mcore_rl import ppo
+
+        groups, regenerated = [], 0
+        while len(groups) < self.batch_groups:
+            for g in self.worker.take(self.batch_groups - len(groups)):
+                if step - 1 - min(v for s in g for v in s.versions) > self.max_staleness:
+                    self.worker.requeue(g[0].prompt_index)
+                    regenerated += 1
+                else:
+                    groups.append(g)
+        samples = [s for g in groups for s in g]
+        idx = [s.prompt_index for s in samples]
+        batch = samples_batch(self.source, samples, self.experts, getattr(self.engine, "label", "the rollout engine"))
+        score = ppo.scores(self.source, idx, batch)
+        metrics = {"async/regenerated_groups": float(regenerated), **self.clocks.step_metrics(batch, step)}
+        return batch, idx, score, score + ppo.reward_shaping(self.cfg, batch), metrics
+
+    def sync(self, step: int, verify: bool | None = None) -> dict:
+        """After every sync_every-th update: the weights, between two pieces of the responses in flight."""
+        if step % self.sync_every:
+            return {}
+        with self.worker.paused():
+            out = self._sync(step, verify)
+            self.worker.version = step
+        return out
+
+    def generate(self, prompts, params):
+        """Validation, with the worker paused."""
+        with self.worker.paused():
+            return self.engine.generate(prompts, params)
+
+    def shutdown(self) -> None:
+        self.worker.stop()
+
+
 def wrap(cfg: C.Config, engine, sync, source, prompts_of: Callable[[int], list[int]], last_step: int,
-         start: int) -> OneStepOff:
+         start: int):
     """The configured off-policy mode around `engine` and its weight `sync`."""
     from mcore_rl.dynamic_sampling import sample_step_batch
 
-    if cfg.trainer.mode != "one_step_off":
-        raise C.ConfigError(f"trainer.mode {cfg.trainer.mode!r} has no async loop")
+    if cfg.trainer.mode == "fully_async":
+        return FullyAsync(cfg, engine, sync, source, prompts_of, start)
     return OneStepOff(engine, sync, lambda prompts, seed: sample_step_batch(cfg, engine, source, prompts, seed),
                       prompts_of, last_step, start_version=start, seed=cfg.trainer.seed)

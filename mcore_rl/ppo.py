@@ -32,12 +32,18 @@ def rollout(engine, source, idx: list[int], params, experts=None) -> dict:
     right-padded to the longest), attention_mask, response_mask (1 up to and including the stop
     token) and the engine's log-probs of its sampled tokens (rollout_log_probs). experts (an
     mcore_rl.routing.ExpertLayout, when the engine returns routes): also the engine's routes."""
-    tok = source.tokenizer
     n = params.n
     firsts = idx[::n]
     if [i for i in firsts for _ in range(n)] != idx:
         raise ValueError(f"prompt indices must come in runs of rollout.n = {n}")
     done = [c for group in engine.generate([source.prompts[i] for i in firsts], params) for c in group]
+    return completions_batch(source, idx, done, experts, getattr(engine, "label", "the rollout engine"))
+
+
+def completions_batch(source, idx: list[int], done: list, experts=None, engine_label: str = "the rollout engine"
+                      ) -> dict:
+    """`rollout`'s batch from the Completions `done` of the prompts `idx` (one per sample)."""
+    tok = source.tokenizer
     prompts, pmask = pad_prompts([source.prompts[i] for i in idx], tok.pad_token_id or 0)
     R = max(1, max(len(c.token_ids) for c in done))
     resp = torch.full((len(done), R), tok.pad_token_id or 0, dtype=torch.long)
@@ -54,7 +60,7 @@ def rollout(engine, source, idx: list[int], params, experts=None) -> dict:
         from mcore_rl.routing import batch_routes
 
         batch["routes"] = batch_routes(done, [len(source.prompts[i]) for i in idx], batch["tokens"].shape[1],
-                                       experts, getattr(engine, "label", "the rollout engine"))
+                                       experts, engine_label)
     return batch
 
 
