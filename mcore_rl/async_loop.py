@@ -214,10 +214,12 @@ class FullyAsync:
                 step += 1
 
         params = ppo.sampling_params(cfg, source, t.seed * 100003 + start)
-        # one batch in flight or waiting while the trainer trains on another
+        # batches ahead of the trainer: a group started k batches before it is trained has a token
+        # about k versions old, so more than max_staleness batches ahead would only be regenerated
+        ahead = max(1, t.max_staleness) * self.batch_groups
         self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
-                                    cfg.rollout.max_response_len, t.partial_rollout_tokens, 2 * self.batch_groups,
-                                    start, self.clocks.engine, self.clocks.trainer_waits)
+                                    cfg.rollout.max_response_len, t.partial_rollout_tokens, ahead, start,
+                                    self.clocks.engine, self.clocks.trainer_waits)
 
     def step_batch(self, step: int):
         from mcore_rl import ppo
