@@ -293,6 +293,20 @@ class TrainerConfig:
     max_checkpoints: int | None = None  # keep the newest N complete checkpoints; null keeps all
     async_save: bool = False  # checkpoint files written in the background while the next rollout runs
     rollout_dump_dir: str | None = None  # each step's rollout to DIR/step_N.pt (`--replay DIR` trains on it)
+    # sync: each step waits for its own rollout. one_step_off: step k trains on the rollout made with
+    # step k-1's weights while step k+1's is generated. fully_async: a rollout worker keeps the
+    # engines busy and hands finished groups to a buffer the trainer takes batches from
+    # (mcore_rl/async_loop.py). Both need engines on resources of their own (cluster.colocate: false)
+    mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
+    sync_every: int = 1  # fully_async: weights go to the engines after every N updates
+    max_staleness: int = 1  # fully_async: a group with a token more versions old than this is regenerated
+    # fully_async: responses are generated this many tokens at a time and resubmitted with their tokens
+    # so far, so a weight sync lands between the pieces (partial rollout); 0: whole responses
+    partial_rollout_tokens: int = 0
+    # off-policy modes: PPO's ratio against the trainer's (proximal) log-probs, times the engine's
+    # (behaviour) ratio truncated at algorithm.rollout_correction.rollout_is_threshold, unless a
+    # rollout correction is configured (decoupled PPO, as AReaL's)
+    decoupled_loss: bool = True
     logger: list[Logger] = field(default_factory=lambda: ["console", "jsonl"])
     # short: one line a step (step i/N, reward, validation reward, seconds, ETA); full: every metric
     console: Literal["short", "full"] = "short"
@@ -639,6 +653,18 @@ def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) ->
         errors.append(f"rollout.tp_size = {r.tp_size} must divide the rollout's {rollout_gpus(cfg)} {unit}")
     if r.tp_size % r.ep_size:
         errors.append(f"rollout.ep_size = {r.ep_size} must divide rollout.tp_size = {r.tp_size}")
+    if cfg.trainer.mode != "sync" and c.colocate:
+        errors.append(f"trainer.mode '{cfg.trainer.mode}' overlaps rollout and training: it needs the engines on "
+                      f"{unit} of their own (cluster.colocate: false, cluster.rollout_gpus: N)")
+    t = cfg.trainer
+    if t.mode == "fully_async" and (t.sync_every < 1 or t.max_staleness < 0 or t.partial_rollout_tokens < 0):
+        errors.append(f"trainer: sync_every must be >= 1, max_staleness and partial_rollout_tokens >= 0; got "
+                      f"{t.sync_every}, {t.max_staleness}, {t.partial_rollout_tokens}")
+    elif t.mode == "fully_async" and t.max_staleness < t.sync_every - 1:
+        errors.append(f"trainer.max_staleness = {t.max_staleness} must be >= sync_every - 1 = {t.sync_every - 1}: "
+                      "the last update before a sync trains on samples that old")
+    if t.mode == "fully_async" and cfg.algorithm.filter_groups.enable:
+        errors.append("trainer.mode 'fully_async' does not run dynamic sampling (algorithm.filter_groups) yet")
     if r.engine == "embedded" and not c.colocate:
         errors.append("rollout.engine 'embedded' samples on the trainer's own shards: it needs cluster.colocate: true")
     if r.engine != "embedded" and r.sync_transport == "ipc" and not c.colocate:

@@ -32,12 +32,18 @@ def rollout(engine, source, idx: list[int], params, experts=None) -> dict:
     right-padded to the longest), attention_mask, response_mask (1 up to and including the stop
     token) and the engine's log-probs of its sampled tokens (rollout_log_probs). experts (an
     mcore_rl.routing.ExpertLayout, when the engine returns routes): also the engine's routes."""
-    tok = source.tokenizer
     n = params.n
     firsts = idx[::n]
     if [i for i in firsts for _ in range(n)] != idx:
         raise ValueError(f"prompt indices must come in runs of rollout.n = {n}")
     done = [c for group in engine.generate([source.prompts[i] for i in firsts], params) for c in group]
+    return completions_batch(source, idx, done, experts, getattr(engine, "label", "the rollout engine"))
+
+
+def completions_batch(source, idx: list[int], done: list, experts=None, engine_label: str = "the rollout engine"
+                      ) -> dict:
+    """`rollout`'s batch from the Completions `done` of the prompts `idx` (one per sample)."""
+    tok = source.tokenizer
     prompts, pmask = pad_prompts([source.prompts[i] for i in idx], tok.pad_token_id or 0)
     R = max(1, max(len(c.token_ids) for c in done))
     resp = torch.full((len(done), R), tok.pad_token_id or 0, dtype=torch.long)
@@ -54,7 +60,7 @@ def rollout(engine, source, idx: list[int], params, experts=None) -> dict:
         from mcore_rl.routing import batch_routes
 
         batch["routes"] = batch_routes(done, [len(source.prompts[i]) for i in idx], batch["tokens"].shape[1],
-                                       experts, getattr(engine, "label", "the rollout engine"))
+                                       experts, engine_label)
     return batch
 
 
@@ -94,12 +100,15 @@ def reward_shaping(cfg: C.Config, batch: dict) -> torch.Tensor:
 
 def correction_settings(cfg: C.Config) -> dict:
     """algorithm.rollout_correction, with actor.tis_imp_ratio_cap (verl's older key) as token-level TIS.
-    FP8 engine weights (rollout.weight_dtype: fp8) sample from a policy measurably off the trainer's:
-    with no correction configured, token TIS at the default threshold corrects it."""
+    With no correction of its own, token-level TIS comes on where the engine samples from a policy
+    measurably off the trainer's: an off-policy trainer.mode with decoupled_loss (the behaviour weight
+    of decoupled PPO; the trainer's old log-probs are then the proximal policy), and FP8 engine weights
+    (rollout.weight_dtype: fp8)."""
     corr = dataclasses.asdict(cfg.algorithm.rollout_correction)
     if cfg.actor.tis_imp_ratio_cap is not None:
         corr.update(rollout_is="token", rollout_is_threshold=cfg.actor.tis_imp_ratio_cap)
-    elif cfg.rollout.weight_dtype == "fp8" and corr["rollout_is"] is None and corr["rollout_rs"] is None:
+    elif corr["rollout_is"] is None and ((cfg.trainer.mode != "sync" and cfg.trainer.decoupled_loss)
+                                         or (cfg.rollout.weight_dtype == "fp8" and corr["rollout_rs"] is None)):
         corr["rollout_is"] = "token"
     return corr
 

@@ -149,7 +149,7 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
     GPUs (the caller checkpoints, then hands them back with `phases.to_rollout`)."""
     from mcore_rl import ppo
     from mcore_rl.dynamic_sampling import sample_step_batch
-    from mcore_rl.rollout_dump import RolloutReplay, dump_rollout
+    from mcore_rl.rollout_dump import dump_rollout
 
     t0, times = time.perf_counter(), {}
 
@@ -159,7 +159,7 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         times[f"timing/{name}"] = times.get(f"timing/{name}", 0.0) + time.perf_counter() - t
         return out
 
-    if isinstance(engine, RolloutReplay):  # train-only: the step's dumped rollout
+    if hasattr(engine, "step_batch"):  # a replay's dumped rollout, or one generated ahead (async_loop)
         batch, idx, score, reward, metrics = engine.step_batch(step)
     else:  # generation and rule scores (several rounds with dynamic sampling)
         batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, source, prompt_idx,
@@ -285,7 +285,7 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
     init = initial_checkpoints(cfg, hf_dir, run_dir)
     group = ActorGroup(cfg, hf_dir, init, pg)
     ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)
-    engine = sync = phases = None
+    engine = rollout = sync = phases = None
     try:
         start, state, resumed = 0, {}, run_ckpt.latest(ckpt_root) if t.resume == "auto" else None
         if resumed:
@@ -312,9 +312,18 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
         if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
             first = sync(start)
             print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in first.items()}), flush=True)
+        rollout = engine
+        if t.mode != "sync" and not replay:  # generation runs ahead of training (mcore_rl/async_loop.py)
+            from mcore_rl import async_loop
+
+            rollout = async_loop.wrap(cfg, engine, sync, train_task, lambda k: step_prompts(cfg, train_task, k),
+                                      total_steps(cfg, train_task, engine), start)
+            sync = rollout.sync
         phases = Phases(cfg, group, engine, sync, plan)
-        return _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start, state, first)
+        return _loop(cfg, group, rollout, phases, train_task, val_task, run_dir, ckpt, start, state, first)
     finally:
+        if rollout is not None and rollout is not engine:
+            rollout.shutdown()
         if phases is not None:
             phases.mon.close()
         if engine is not None:
@@ -344,9 +353,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     backends = [b for b in t.logger if not (short and b == "console")]
     logger = MetricsLogger(run_dir, backends, project=t.project, experiment=t.experiment,
                            config=C.to_dict(cfg))
-    B = cfg.data.train_batch_size
-    per_epoch = len(train_task.prompts) // B if train_task else 1
-    total = t.total_training_steps or (t.total_epochs * per_epoch if train_task else max(engine.steps))
+    total = total_steps(cfg, train_task, engine)
     before = dict(first_sync)  # logged at the step the run starts from
     if t.val_before_train and start == 0 and val_task:
         before.update(validate(cfg, engine, val_task))
@@ -357,12 +364,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
     for step in range(start + 1, total + 1):
-        prompts = []
-        if train_task:  # a replay trains on dumped batches
-            order = torch.randperm(len(train_task.prompts),
-                                   generator=torch.Generator().manual_seed(t.seed + (step - 1) // per_epoch))
-            k = (step - 1) % per_epoch
-            prompts = order[k * B:(k + 1) * B].tolist()
+        prompts = step_prompts(cfg, train_task, step) if train_task else []  # a replay trains on dumped batches
         metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
         ckpt.finish()  # a background save of the step before is complete once this step has trained
         logger.log(metrics, step=step)  # before the checkpoint: a resumed run never lacks a saved step
@@ -390,6 +392,23 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
 
     plot_run(run_dir)
     return metrics
+
+
+def total_steps(cfg: C.Config, train_task, engine) -> int:
+    t = cfg.trainer
+    if t.total_training_steps:
+        return t.total_training_steps
+    return t.total_epochs * (len(train_task.prompts) // cfg.data.train_batch_size) if train_task else max(engine.steps)
+
+
+def step_prompts(cfg: C.Config, train_task, step: int) -> list[int]:
+    """Step `step`'s prompt indices: a seeded shuffle per epoch, data.train_batch_size at a time."""
+    B = cfg.data.train_batch_size
+    per_epoch = len(train_task.prompts) // B
+    order = torch.randperm(len(train_task.prompts),
+                           generator=torch.Generator().manual_seed(cfg.trainer.seed + (step - 1) // per_epoch))
+    k = (step - 1) % per_epoch
+    return order[k * B:(k + 1) * B].tolist()
 
 
 def _timed_save(ckpt, mon, step: int, state: dict) -> dict:

@@ -33,7 +33,8 @@ def started_run(out: str, overrides=()):
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     cfg = C.load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), [f"trainer.output_dir={out}", *overrides])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=max(2, cfg.cluster.nnodes * cfg.cluster.n_gpus_per_node),  # as train's
+             include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     engine = None
     try:
         hf_dir = prepare_model(cfg, out)

@@ -95,6 +95,13 @@ CASES = [
     Case("num_attention_heads 0, vLLM on CPU", CONFIG[:3], ("model.hf_config.num_attention_heads=0",
                                                           "rollout.engine=vllm"),
          "invalid config: model.hf_config: num_attention_heads must be an integer >= 1, got 0"),
+    Case("async mode colocated", CONFIG, ("trainer.mode=one_step_off",),
+         "trainer.mode 'one_step_off' overlaps rollout and training: it needs the engines on processes of their "
+         "own (cluster.colocate: false"),
+    Case("max_staleness below sync_every", CONFIG,
+         ("trainer.mode=fully_async", "cluster.colocate=false", "cluster.n_gpus_per_node=3", "cluster.rollout_gpus=1",
+          "trainer.sync_every=3", "trainer.max_staleness=1"),
+         "trainer.max_staleness = 1 must be >= sync_every - 1 = 2"),
     Case("unsupported model_type", CONFIG, ("model.hf_config.model_type=gpt_neox", "memory.gpu_memory_gb=80"),
          "model.hf_config: unknown model_type 'gpt_neox': supported are deepseek_v3"),
     Case("unsupported model_type on disk", CONFIG,

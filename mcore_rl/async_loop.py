@@ -1,0 +1,268 @@
+"""The async trainer modes: generation overlaps training (engines on resources of their own).
+
+`OneStepOff` (trainer.mode=one_step_off), below; `FullyAsync` (fully_async): a rollout worker
+(mcore_rl.rollout.buffer) keeps the engines busy, the trainer takes finished groups, weights
+are synced every trainer.sync_every updates between two pieces of a partial rollout, and groups
+past trainer.max_staleness are regenerated.
+
+one_step_off, generation one policy version behind:
+
+The engines sit on resources of their own (cluster.colocate: false). Step k's batch is handed
+over and step k+1's generation starts on a rollout thread at once, with the weights the engines
+hold (step k-1's), while the trainer trains on step k's batch; the weight sync after step k waits
+for that generation to end, so the engines switch weights only between batches:
+
+    engine:  [gen 1 (v0)]  [gen 2 (v0) ......]  [gen 3 (v1) ......]  [gen 4 (v2) ...
+    trainer:              [train 1 -> v1] sync  [train 2 -> v2] sync  [train 3 -> v3] sync
+
+so every step after the first trains on samples one version old (step 1, and the first step after
+a resume, on fresh ones). Every response token records the version of the weights that sampled it
+(batch["token_versions"]); staleness is per sample, counted from its oldest token.
+
+Both stand in for the engine in train.rl_step (their `step_batch`, as a rollout replay's) and wrap
+the weight sync; nothing else of the loop changes. A killed run resumes from its checkpoint and
+regenerates what was in flight: one_step_off exactly the step's prompts (they follow from the step
+number); fully_async restarts its prompt stream at the step after the checkpoint, which is only
+approximately where the buffer stood (a prompt may be seen again or skipped).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from mcore_rl import config as C
+
+
+def staleness_metrics(token_versions: torch.Tensor, response_mask: torch.Tensor, trainer_version: int) -> dict:
+    """async/* of one batch: per sample, staleness = trainer_version - the version of its oldest
+    token; a sample is partial when its tokens come from more than one version."""
+    mask = response_mask.bool()
+    big = torch.iinfo(token_versions.dtype).max
+    oldest = torch.where(mask, token_versions, big).min(1).values
+    newest = torch.where(mask, token_versions, -1).max(1).values
+    has = mask.any(1)
+    stale = (trainer_version - oldest[has]).float()
+    if stale.numel() == 0:
+        return {}
+    return {"async/staleness_mean": stale.mean().item(), "async/staleness_max": stale.max().item(),
+            "async/partial_fraction": (newest[has] > oldest[has]).float().mean().item()}
+
+
+class BusyClock:
+    """When a resource was busy, to report the idle share of a window."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float | None]] = []  # (start, end or None while busy)
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        with self.lock:
+            self.spans.append((time.monotonic(), None))
+
+    def stop(self) -> None:
+        with self.lock:
+            self.spans[-1] = (self.spans[-1][0], time.monotonic())
+
+    def busy_in(self, t0: float, t1: float) -> float:
+        with self.lock:
+            spans = list(self.spans)
+            self.spans = [s for s in spans if s[1] is None or s[1] > t1]  # older spans are counted
+        return sum(max(0.0, min(end if end is not None else t1, t1) - max(start, t0)) for start, end in spans)
+
+
+class StepClocks:
+    """The engines' generation and the trainer's waits, reported per step over the time since the
+    step before handed over its batch."""
+
+    def __init__(self):
+        self.engine, self.trainer_waits = BusyClock(), BusyClock()
+        self.window_start = time.monotonic()
+
+    def step_metrics(self, batch: dict, step: int) -> dict:
+        t0, t1 = self.window_start, time.monotonic()
+        window = max(t1 - t0, 1e-9)
+        self.window_start = t1
+        # step k trains weights with k - 1 updates in them
+        out = staleness_metrics(batch["token_versions"], batch["response_mask"], trainer_version=step - 1)
+        out.update({"async/engine_idle_fraction": 1 - self.engine.busy_in(t0, t1) / window,
+                    "async/trainer_idle_fraction": self.trainer_waits.busy_in(t0, t1) / window,
+                    "perf/samples_per_s": len(batch["response_mask"]) / window})
+        return out
+
+
+class OneStepOff:
+    """The rollout of the next step generated ahead, on one thread driving the engines.
+
+    sample(step, prompts, seed) -> (batch, idx, score, reward, metrics) generates a step's batch
+    (dynamic_sampling.sample_step_batch); prompts_of(step) gives a step's prompt indices."""
+
+    owns_weights = True
+
+    def __init__(self, engine, sync: Callable[[int], dict], sample: Callable, prompts_of: Callable[[int], list[int]],
+                 last_step: int, start_version: int, seed: int):
+        self.engine, self._sync, self.sample, self.prompts_of = engine, sync, sample, prompts_of
+        self.last_step, self.seed = last_step, seed
+        self.version = start_version  # the weights the engines hold: the number of updates they include
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        self.pending: dict[int, Future] = {}
+        self.clocks = StepClocks()
+
+    # ---- the rollout side -------------------------------------------------------------------------
+    def _launch(self, step: int) -> None:
+        version = self.version
+
+        def generate():
+            self.clocks.engine.start()
+            t = time.perf_counter()
+            try:
+                out = self.sample(self.prompts_of(step), self.seed * 100003 + step)
+            finally:
+                self.clocks.engine.stop()
+            batch = out[0]
+            batch["token_versions"] = torch.full(batch["response_mask"].shape, version, dtype=torch.long)
+            out[4]["timing/generate"] = time.perf_counter() - t
+            return out
+
+        self.pending[step] = self.pool.submit(generate)
+
+    def _wait(self, future: Future):
+        self.clocks.trainer_waits.start()
+        try:
+            return future.result()
+        finally:
+            self.clocks.trainer_waits.stop()
+
+    def _wait_idle(self) -> None:
+        """Until the generation in flight has ended (its batch stays pending for its step)."""
+        for future in list(self.pending.values()):
+            if not future.done():
+                self._wait(future)
+
+    # ---- what train.py calls ----------------------------------------------------------------------
+    def step_batch(self, step: int):
+        """Step `step`'s scored batch (generated ahead, or now for the first step of a run); starts
+        the next step's generation before returning it."""
+        if step not in self.pending:
+            self._launch(step)
+        batch, idx, score, reward, metrics = self._wait(self.pending.pop(step))
+        if step + 1 <= self.last_step:
+            self._launch(step + 1)
+        metrics.update(self.clocks.step_metrics(batch, step))
+        return batch, idx, score, reward, metrics
+
+    def sync(self, step: int, verify: bool | None = None) -> dict:
+        """The weight sync after step `step`'s update, once the engines are between batches."""
+        self._wait_idle()
+        out = self._sync(step, verify)
+        self.version = step
+        return out
+
+    def generate(self, prompts, params):
+        """Validation: on the engines once they are between batches."""
+        self._wait_idle()
+        return self.engine.generate(prompts, params)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def samples_batch(source, samples: list, experts=None, engine_label: str = "the rollout engine") -> dict:
+    """The batch of finished rollout.buffer Samples, as ppo.rollout makes it, plus token_versions
+    [B, R] (0 past each response) aligned with the response tokens, mask and log-probs."""
+    from mcore_rl import ppo
+
+    batch = ppo.completions_batch(source, [s.prompt_index for s in samples], [s.completion() for s in samples],
+                                  experts, engine_label)
+    versions = torch.zeros(batch["response_mask"].shape, dtype=torch.long)
+    for row, s in enumerate(samples):
+        versions[row, :len(s.versions)] = torch.as_tensor(s.versions, dtype=torch.long)
+    batch["token_versions"] = versions
+    return batch
+
+
+class FullyAsync:
+    """trainer.mode=fully_async: a rollout worker (mcore_rl.rollout.buffer) keeps the engines
+    generating groups; each step takes data.train_batch_size finished groups, regenerating any with
+    a token more than trainer.max_staleness versions older than the trainer's weights. The weights
+    go to the engines every trainer.sync_every updates, between two pieces of the responses in
+    flight (partial rollout: trainer.partial_rollout_tokens)."""
+
+    owns_weights = True
+
+    def __init__(self, cfg: C.Config, engine, sync: Callable, source, prompts_of: Callable[[int], list[int]],
+                 start: int):
+        from mcore_rl import ppo
+        from mcore_rl.rollout.buffer import RolloutWorker
+        from mcore_rl.routing import ExpertLayout
+
+        t = cfg.trainer
+        self.cfg, self.engine, self._sync, self.source = cfg, engine, sync, source
+        self.sync_every, self.max_staleness = t.sync_every, t.max_staleness
+        self.experts = ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
+        self.clocks = StepClocks()
+        self.batch_groups = cfg.data.train_batch_size
+
+        def prompt_stream():  # the steps' prompts in order, from the step after `start` on
+            step = start + 1
+            while True:
+                yield from prompts_of(step)
+                step += 1
+
+        params = ppo.sampling_params(cfg, source, t.seed * 100003 + start)
+        # batches ahead of the trainer: a group started k batches before it is trained has a token
+        # about k versions old, so more than max_staleness batches ahead would only be regenerated
+        ahead = max(1, t.max_staleness) * self.batch_groups
+        self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
+                                    cfg.rollout.max_response_len, t.partial_rollout_tokens, ahead, start,
+                                    self.clocks.engine, self.clocks.trainer_waits)
+
+    def step_batch(self, step: int):
+        from mcore_rl import ppo
+
+        groups, regenerated = [], 0
+        while len(groups) < self.batch_groups:
+            for g in self.worker.take(self.batch_groups - len(groups)):
+                if step - 1 - min(v for s in g for v in s.versions) > self.max_staleness:
+                    self.worker.requeue(g[0].prompt_index)
+                    regenerated += 1
+                else:
+                    groups.append(g)
+        samples = [s for g in groups for s in g]
+        idx = [s.prompt_index for s in samples]
+        batch = samples_batch(self.source, samples, self.experts, getattr(self.engine, "label", "the rollout engine"))
+        score = ppo.scores(self.source, idx, batch)
+        metrics = {"async/regenerated_groups": float(regenerated), **self.clocks.step_metrics(batch, step)}
+        return batch, idx, score, score + ppo.reward_shaping(self.cfg, batch), metrics
+
+    def sync(self, step: int, verify: bool | None = None) -> dict:
+        """After every sync_every-th update: the weights, between two pieces of the responses in flight."""
+        if step % self.sync_every:
+            return {}
+        with self.worker.paused():
+            out = self._sync(step, verify)
+            self.worker.version = step
+        return out
+
+    def generate(self, prompts, params):
+        """Validation, with the worker paused."""
+        with self.worker.paused():
+            return self.engine.generate(prompts, params)
+
+    def shutdown(self) -> None:
+        self.worker.stop()
+
+
+def wrap(cfg: C.Config, engine, sync, source, prompts_of: Callable[[int], list[int]], last_step: int,
+         start: int):
+    """The configured off-policy mode around `engine` and its weight `sync`."""
+    from mcore_rl.dynamic_sampling import sample_step_batch
+
+    if cfg.trainer.mode == "fully_async":
+        return FullyAsync(cfg, engine, sync, source, prompts_of, start)
+    return OneStepOff(engine, sync, lambda prompts, seed: sample_step_batch(cfg, engine, source, prompts, seed),
+                      prompts_of, last_step, start_version=start, seed=cfg.trainer.seed)

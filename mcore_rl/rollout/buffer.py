@@ -1,0 +1,171 @@
+"""trainer.mode=fully_async's rollout side: a worker thread that keeps the engines generating, and
+the buffer of finished groups the trainer takes its batches from.
+
+Partial rollout: with `segment` > 0 a response is generated `segment` tokens at a time, and an
+unfinished one is resubmitted with its tokens so far; a weight sync (`paused()`) lands between
+two pieces, so the rest of the response comes from the new weights. Each token keeps, beside its
+log-prob, the version of the weights that sampled it. The engines' own KV cache is flushed by the
+sync, so a resubmitted prefix is prefilled again with the weights that continue it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from mcore_rl.rollout.base import Completion, Request, SamplingParams
+
+PIECE_SEED_STRIDE = 1_000_003  # a resubmitted piece samples with seed + stride * tokens so far
+
+
+@dataclass
+class Sample:
+    """One response in the making."""
+
+    prompt_index: int
+    prompt: list[int]
+    seed: int | None
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per token: the weights' version that sampled it
+    finish_reason: str = "length"
+    routed_experts: object = None  # the last piece's: its prefill routes the whole prefix again
+    finished: bool = False
+
+    def request(self, params: SamplingParams, max_len: int, segment: int) -> Request:
+        left = max_len - len(self.tokens)
+        seed = None if self.seed is None else self.seed + PIECE_SEED_STRIDE * len(self.tokens)
+        return Request(tuple(self.prompt + self.tokens),
+                       params.with_(n=1, max_new_tokens=min(segment, left) if segment else left, seed=seed))
+
+    def extend(self, piece: Completion, version: int, max_len: int) -> None:
+        self.tokens += piece.token_ids
+        self.log_probs += piece.log_probs
+        self.versions += [version] * len(piece.token_ids)
+        self.routed_experts = piece.routed_experts
+        self.finish_reason = piece.finish_reason
+        self.finished = piece.finish_reason == "stop" or len(self.tokens) >= max_len
+
+    def completion(self) -> Completion:
+        return Completion(list(self.tokens), list(self.log_probs), self.finish_reason, self.routed_experts)
+
+
+class RolloutWorker:
+    """Generates groups of `params.n` responses for the prompt indices of `prompts`, keeping
+    `groups_ahead` groups in flight or finished; `take` hands finished ones over (first finished,
+    first taken). `engine.generate_requests` runs on the worker's thread only; `engine_clock` and
+    `wait_clock` (BusyClocks) time the engines' generation and the trainer's waits."""
+
+    def __init__(self, engine, prompt_tokens, prompts: Iterator[int], params: SamplingParams, max_len: int,
+                 segment: int, groups_ahead: int, version: int, engine_clock, wait_clock):
+        self.engine, self.prompt_tokens, self.prompts = engine, prompt_tokens, prompts
+        self.params, self.max_len, self.segment, self.groups_ahead = params, max_len, segment, groups_ahead
+        self.version = version  # of the weights the engines hold; changed only while paused
+        self.engine_clock, self.wait_clock = engine_clock, wait_clock
+        self.requeued: collections.deque[int] = collections.deque()
+        self.in_flight: list[list[Sample]] = []
+        self.ready: list[list[Sample]] = []
+        self.groups_started = 0
+        self.cond = threading.Condition()
+        # idle: the worker waits between two pieces, no generation running (a pause holds it there)
+        self.pause_requests, self.idle, self.stopped, self.error = 0, False, False, None
+        self.thread = threading.Thread(target=self._run, name="rollout-worker", daemon=True)
+        self.thread.start()
+
+    # ---- the worker's thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while self.pause_requests and not self.stopped:  # between two pieces: a sync may run
+                        self.idle = True
+                        self.cond.notify_all()
+                        self.cond.wait()
+                    self.idle = False
+                    if self.stopped:
+                        return
+                    self._fill()
+                    live = [s for g in self.in_flight for s in g if not s.finished]
+                    version = self.version
+                    if not live:  # the buffer is full: wait for the trainer to take a batch
+                        self.cond.wait(timeout=0.5)
+                        continue
+                self.engine_clock.start()
+                try:
+                    pieces = self.engine.generate_requests([s.request(self.params, self.max_len, self.segment)
+                                                            for s in live])
+                finally:
+                    self.engine_clock.stop()
+                with self.cond:
+                    for s, piece in zip(live, pieces):
+                        s.extend(piece, version, self.max_len)
+                    self.ready += [g for g in self.in_flight if all(s.finished for s in g)]
+                    self.in_flight = [g for g in self.in_flight if not all(s.finished for s in g)]
+                    self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread, raised there
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _fill(self) -> None:
+        n = self.params.n
+        while len(self.in_flight) + len(self.ready) < self.groups_ahead:
+            i = self.requeued.popleft() if self.requeued else next(self.prompts)
+            base = None if self.params.seed is None else self.params.seed + self.groups_started * n
+            self.in_flight.append([Sample(i, list(self.prompt_tokens(i)), None if base is None else base + j)
+                                   for j in range(n)])
+            self.groups_started += 1
+
+    # ---- the trainer's thread -------------------------------------------------------------------
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if not self.thread.is_alive() and not self.stopped:
+            raise RuntimeError("the rollout worker stopped")
+
+    def take(self, groups: int) -> list[list[Sample]]:
+        """The first `groups` finished groups, waiting for them."""
+        self.wait_clock.start()
+        try:
+            with self.cond:
+                while len(self.ready) < groups:
+                    self.raise_if_failed()
+                    self.cond.wait(timeout=1.0)
+                out, self.ready = self.ready[:groups], self.ready[groups:]
+                self.cond.notify_all()
+                return out
+        finally:
+            self.wait_clock.stop()
+
+    def requeue(self, prompt_index: int) -> None:
+        """Generate this prompt's group again (it went stale in the buffer)."""
+        with self.cond:
+            self.requeued.append(prompt_index)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The engines between two pieces, with no generation running, until the block ends."""
+        self.wait_clock.start()
+        try:
+            with self.cond:
+                self.pause_requests += 1
+                self.cond.notify_all()
+                while not self.idle:
+                    self.raise_if_failed()
+                    self.cond.wait(timeout=1.0)
+        finally:
+            self.wait_clock.stop()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.pause_requests -= 1
+                self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
