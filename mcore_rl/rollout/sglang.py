@@ -205,7 +205,7 @@ class SGLangServer:
 
             os.environ.update(sglang_cpu.child_env(os.environ))
             sglang_cpu.install()
-        self.node_rank = engine_args.get("node_rank", 0)
+        self.node_rank, self.nnodes = engine_args.get("node_rank", 0), engine_args.get("nnodes", 1)
         per = engine_args.get("tp_size", 1) // engine_args.get("nnodes", 1)
         self.tp_ranks = range(self.node_rank * per, (self.node_rank + 1) * per)  # SGLang's, on this node
         if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
@@ -262,19 +262,22 @@ class SGLangServer:
     def update_weights_from_tensor(self, payloads: list, load_format: str | None = None, flush_cache: bool = True):
         """One payload per tp rank of this engine: serialized buckets (CUDA IPC handles, from the
         trainer's GPUs) or, on CPU, the buckets themselves, serialized here for SGLang's schedulers."""
-        payloads = [self._serialize(p) if isinstance(p, dict) else p for p in payloads]
+        payloads = [self._serialize(p, by_name=self.nnodes > 1) if isinstance(p, dict) else p for p in payloads]
         _ok(self.engine.update_weights_from_tensor(payloads, load_format=load_format, flush_cache=flush_cache),
             "update_weights_from_tensor")
 
     @staticmethod
-    def _serialize(bucket: dict) -> bytes:
-        """CPU tensors by shared-memory file name: a scheduler on another "node" of this host is no
-        child of this process, so it cannot fetch a file descriptor from it (torch's default)."""
+    def _serialize(bucket: dict, by_name: bool) -> bytes:
+        """CPU tensors for SGLang's schedulers. A scheduler on another "node" of this host is no child
+        of this process, so it cannot fetch a file descriptor from it (torch's default): those get
+        the shared memory by file name (by_name). That needs torch's shm manager daemon, whose start
+        times out on a loaded machine ("Shared memory manager connection has timed out", seen in CI
+        runs), so a one-node engine, whose schedulers are our children, keeps file descriptors."""
         import torch.multiprocessing
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-        torch.multiprocessing.set_sharing_strategy("file_system")
+        torch.multiprocessing.set_sharing_strategy("file_system" if by_name else "file_descriptor")
 
         return MultiprocessingSerializer.serialize({
             "flattened_tensor": bucket["flattened_tensor"],
