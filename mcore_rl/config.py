@@ -25,7 +25,7 @@ from typing import Any, Callable, Literal, Union
 import yaml
 
 from mcore_rl.cli_errors import BAD_INPUT, BadInput, hf_config, read_yaml_mapping, report
-from mcore_rl.model_checks import hf_config_problems
+from mcore_rl.model_checks import hf_config_problems, num_experts
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -508,11 +508,6 @@ def require_model_dirs(cfg: Config) -> None:
             _hf_config(path, key)
 
 
-def _num_experts(hf: dict) -> int:
-    # DeepSeek: n_routed_experts; Qwen-MoE: num_experts; Mixtral: num_local_experts
-    return int(hf.get("n_routed_experts") or hf.get("num_experts") or hf.get("num_local_experts") or 0)
-
-
 def recompute_choice(memory) -> tuple[str, int | None, tuple[str, ...]]:
     """(mode, layers, modules) of a MemoryConfig or its dict, recompute_activations read as full."""
     get = memory.get if isinstance(memory, dict) else functools.partial(getattr, memory)
@@ -710,7 +705,7 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> bool:
     if problems:
         errors.extend(f"{where}: {p}" for p in problems)
         return False
-    heads, layers, experts = hf["num_attention_heads"], hf["num_hidden_layers"], _num_experts(hf)
+    heads, layers, experts = hf["num_attention_heads"], hf["num_hidden_layers"], num_experts(hf)
     if heads % p.tp:
         errors.append(f"parallel.tp = {p.tp} must divide the model's num_attention_heads = {heads}")
     kv_heads = hf.get("num_key_value_heads")
@@ -763,7 +758,7 @@ def _check_vllm(cfg: Config, errors: list[str], hf: dict | None) -> None:
         if head not in VLLM_CPU_HEAD_SIZES:
             errors.append(f"vLLM's CPU attention has no kernel for head size {head}; it takes {VLLM_CPU_HEAD_SIZES}")
     moe = hf.get("moe_intermediate_size")
-    if _num_experts(hf) and moe and (moe // r.tp_size) % 32:
+    if num_experts(hf) and moe and (moe // r.tp_size) % 32:
         errors.append(f"moe_intermediate_size / rollout.tp_size = {moe // r.tp_size}: vLLM's CPU experts pad it "
                       "to a multiple of 32, and weight updates then fail; use a multiple of 32")
 
@@ -855,7 +850,7 @@ def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
 def returns_routes(cfg: Config, hf: dict | None = None) -> bool:
     """Whether the rollout engines return each token's routed experts (SGLang, an MoE model)."""
     hf = hf if hf is not None else hf_model_dims(cfg.model)
-    return cfg.rollout.engine == "sglang" and cfg.rollout.return_routed_experts and bool(hf and _num_experts(hf))
+    return cfg.rollout.engine == "sglang" and cfg.rollout.return_routed_experts and bool(hf and num_experts(hf))
 
 
 def _check_routing_replay(cfg: Config, errors: list[str]) -> None:
@@ -871,7 +866,7 @@ def _check_routing_replay(cfg: Config, errors: list[str]) -> None:
         errors.append("actor.routing_replay needs rollout.return_routed_experts: true")
     else:
         hf = hf_model_dims(cfg.model)
-        if hf is not None and not _num_experts(hf):
+        if hf is not None and not num_experts(hf):
             errors.append("actor.routing_replay: the model has no routed experts")
 
 

@@ -44,6 +44,11 @@ INERT_KEYS = {
 }
 
 
+def num_experts(cfg: dict) -> int:
+    """Routed experts per MoE layer under whichever key the family uses; 0 for a dense model."""
+    return int(next((cfg[k] for k in EXPERT_COUNT_KEYS if cfg.get(k)), 0))
+
+
 def unknown_type(model_type) -> str | None:
     if model_type in SUPPORTED:
         return None
@@ -56,7 +61,7 @@ def hf_config_problems(cfg: dict, *, complete: bool) -> list[str]:
     model_type = cfg.get("model_type")
     if unknown_type(model_type):
         return [unknown_type(model_type)]
-    experts = next((cfg[k] for k in EXPERT_COUNT_KEYS if cfg.get(k)), None)
+    experts = num_experts(cfg)
     mla, moe = model_type in MLA, bool(experts)
     needed = [*COMMON_KEYS, *(MLA_KEYS if mla else ()), *(MOE_KEYS if moe else ())]
     absent = [k for k in needed if cfg.get(k) is None]
