@@ -108,10 +108,13 @@ class ModelSave:
         _, buckets, results_queue = self.args
         local, count = queue.Queue(), queue.Queue()  # what write_preloaded_data reports into
         with ThreadPoolExecutor(max(1, len(buckets)), thread_name_prefix="ckpt-write") as pool:
+            writes = []
             for i, bucket in enumerate(buckets):
                 count.put(i)
-                pool.submit(FileSystemWriterAsync.write_preloaded_data, transform_list, i, bucket, local, count,
-                            True, use_msc=use_msc)
+                writes.append(pool.submit(FileSystemWriterAsync.write_preloaded_data, transform_list, i, bucket,
+                                          local, count, True, use_msc=use_msc))
+        for w in writes:  # a writer that failed outside its own try (it reports the rest) raises here
+            w.result()
         results = {}
         for _ in buckets:
             i, got = local.get_nowait()
