@@ -140,15 +140,15 @@ def _save_peak(rank, root):
     batch = rl_batch()
     actor.update({**batch, "old_log_probs": actor.log_probs(batch)})  # Adam's moments exist
     state = actor.state_bytes()
-    proc, peak, done, forked = psutil.Process(), [0], threading.Event(), set()
+    proc, peak, done, seen = psutil.Process(), [0], threading.Event(), {}
 
     def sample():
         while not done.is_set():
             peak[0] = max(peak[0], _tree_bytes(proc))
             for child in proc.children():  # a fork runs our command line; a spawned helper its own
                 try:
-                    if child.cmdline() == proc.cmdline():
-                        forked.add(child.pid)
+                    if child.cmdline() == proc.cmdline():  # first and last time seen so
+                        seen[child.pid] = (seen.get(child.pid, (time.monotonic(),))[0], time.monotonic())
                 except psutil.Error:
                     pass
             time.sleep(0.002)
@@ -162,7 +162,9 @@ def _save_peak(rank, root):
         out[f"{save}_peak"] = peak[0]
     done.set()
     sampler.join()
-    out["forked"] = len(forked)
+    # a spawned helper (megatron's results Manager) shows our command line only between its fork
+    # and its exec, a few ms; a forked writer keeps it while it writes
+    out["forked"] = sum(last - first > 0.1 for first, last in seen.values())
     with open(os.path.join(root, "save_peak.json"), "w") as f:
         json.dump(out, f)
 
