@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -113,19 +114,20 @@ HIDDEN = dict(model_type="deepseek_v3", vocab_size=32000, hidden_size=512, inter
 
 
 def _tree_bytes(proc) -> int:
-    """This process's RSS plus its children's private memory (megatron forks its file writers,
-    which share the parent's pages)."""
+    """This process's RSS plus the private memory of its children that run a program of their own.
+    A child still showing our command line is between fork and exec (or a forked writer, which the
+    test counts apart): during a vfork it shares our address space, so its USS would be all of ours."""
     total = proc.memory_info().rss
     for child in proc.children(recursive=True):
         try:
-            total += child.memory_full_info().uss
-        except Exception:  # noqa: BLE001 - a writer that just exited
+            if child.cmdline() != proc.cmdline():
+                total += child.memory_full_info().uss
+        except psutil.Error:  # a helper that just exited
             pass
     return total
 
 
 def _save_peak(rank, root):
-    import psutil
     import transformers
 
     from mcore_rl import config as C
@@ -140,11 +142,15 @@ def _save_peak(rank, root):
     batch = rl_batch()
     actor.update({**batch, "old_log_probs": actor.log_probs(batch)})  # Adam's moments exist
     state = actor.state_bytes()
-    proc, peak, done, seen = psutil.Process(), [0], threading.Event(), {}
+    proc, done, seen = psutil.Process(), threading.Event(), {}
+    phase, peaks = [None], {}  # the save running now; each save's highest reading
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], _tree_bytes(proc))
+            during = phase[0]
+            held = _tree_bytes(proc)
+            if during is not None and phase[0] == during:  # a reading spanning two saves counts for neither
+                peaks[during] = max(peaks.get(during, 0), held)
             for child in proc.children():  # a fork runs our command line; a spawned helper its own
                 try:
                     if child.cmdline() == proc.cmdline():  # first and last time seen so
@@ -157,9 +163,11 @@ def _save_peak(rank, root):
     sampler.start()
     out = {"state": state}
     for save in ("first", "second"):  # the first also starts megatron's writer-results process (once)
-        peak[0] = out[f"{save}_before"] = _tree_bytes(proc)
+        out[f"{save}_before"] = _tree_bytes(proc)
+        phase[0] = save
         actor.save(os.path.join(root, f"wide_{save}"))
-        out[f"{save}_peak"] = peak[0]
+        phase[0] = None
+        out[f"{save}_peak"] = max(peaks.get(save, 0), out[f"{save}_before"], _tree_bytes(proc))
     done.set()
     sampler.join()
     # a spawned helper (megatron's results Manager) shows our command line only between its fork

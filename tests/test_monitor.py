@@ -16,7 +16,7 @@ ALLOC = 300 * MiB
 
 # Answers "ok" to each stdin line: "alloc N" holds N written bytes (resident, unlike a calloc'd
 # buffer whose zero pages are never touched), "free" drops them, "child N" starts a child
-# holding N bytes, "reap" ends it.
+# holding N bytes, "reap" ends it, "spawn N" runs N short programs one after another.
 HELPER = r"""
 import subprocess, sys
 held, child = None, None
@@ -30,6 +30,9 @@ for line in sys.stdin:
         child = subprocess.Popen([sys.executable, "-c", sys.argv[1], arg[0]],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         child.stdout.readline()
+    elif cmd == "spawn":  # programs of their own, each between a vfork and its exec for a moment
+        for _ in range(int(arg[0])):
+            subprocess.run([sys.executable, "-c", "pass"])
     elif cmd == "reap":
         child.stdin.close(); child.wait(); child = None
     print("ok", flush=True)
@@ -161,3 +164,18 @@ def test_a_reading_that_spans_a_phase_switch_is_dropped(helper, monkeypatch):
         peaks = mon.take()
     assert "memory/host_rss_peak_gib_train" not in peaks  # its only reading spanned the switch
     assert rss(peaks, "rollout") > ALLOC
+
+
+def test_a_child_between_fork_and_exec_is_not_counted_as_a_copy(helper):
+    """A process that starts a program (megatron's writer-results Manager, a compile worker)
+    vforks: until its exec the child shares its parent's memory, and read then it would double
+    the parent's RSS and PSS. Such a child counts only once it has lasted a reading."""
+    p, ask = helper
+    with PhaseMonitor([p.pid], interval_s=0.001, pss=True) as mon:
+        ask(f"alloc {ALLOC}")
+        with mon.phase("spawn"):
+            ask("spawn 40")
+        peaks = mon.take()
+    for what in ("rss", "pss"):
+        held = peaks[f"memory/host_{what}_peak_gib_spawn"] * GiB
+        assert held < ALLOC + 150 * MiB, f"host {what} {held / MiB:.0f} MiB for {ALLOC / MiB:.0f} held"

@@ -16,7 +16,11 @@ and keeps, per phase, the largest reading taken while that phase was current:
 Samples taken while no phase is current are dropped, and so is any reading during which the phase
 changed: a PSS walk of a large process takes longer than a colocated phase switch, and its
 reading would land in the phase that was current when it began (at real width that put the
-rollout's GPU peak into the train phase). Only pids of this node mean anything: a
+rollout's GPU peak into the train phase). A child still running its parent's program counts only
+once it is `COPY_AGE_S` old: a process starting a program (v)forks, and until the exec the child
+maps all of its parent's memory, so a reading then would count the parent twice, in RSS and (a
+vfork shares the very pages) in PSS. A forked writer, which copies the parent's pinned pages, lives
+for the whole save. Only pids of this node mean anything: a
 pid number from another node names some other process here (`local_pids` keeps this node's Ray
 actors). Watching the driver of a local Ray run would take in all of Ray (its raylet is the
 driver's child, the workers the raylet's), hence actor pids rather than os.getpid().
@@ -32,12 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import psutil
 
 from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus
 
 GiB = 2**30
+COPY_AGE_S = 0.5
 
 
 class PhaseMonitor:
@@ -121,6 +127,8 @@ class PhaseMonitor:
         self._keep(phase, entered, reading)
         reading = {}  # no host keys when no watched process could be read: absent, not 0
         for p in _process_tree(pids):
+            if p.pid not in pids and _about_to_exec(p):
+                continue
             try:
                 m = p.memory_full_info() if self.pss else p.memory_info()
             except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited between listing and reading
@@ -152,6 +160,16 @@ def _process_tree(pids: set[int]) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return list(seen.values())
+
+
+def _about_to_exec(p: psutil.Process) -> bool:
+    """A child younger than COPY_AGE_S still running its parent's program: between its (v)fork and its exec."""
+    try:
+        parent = p.parent()
+        return (time.time() - p.create_time() < COPY_AGE_S and parent is not None
+                and p.cmdline() == parent.cmdline())
+    except psutil.Error:
+        return False
 
 
 def _nvml_works() -> bool:
