@@ -45,8 +45,13 @@ INERT_KEYS = {
 
 
 def num_experts(cfg: dict) -> int:
-    """Routed experts per MoE layer under whichever key the family uses; 0 for a dense model."""
-    return int(next((cfg[k] for k in EXPERT_COUNT_KEYS if cfg.get(k)), 0))
+    """Routed experts per MoE layer under the family's own key, as its transformers model reads it
+    (a stray key of another family's is ignored there too); 0 for a dense model. Qwen3-MoE hub
+    configs say num_experts, transformers 5 writes num_local_experts; DeepSeek and GLM say
+    n_routed_experts."""
+    if cfg.get("model_type") == "qwen3_moe":
+        return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    return int(cfg.get("n_routed_experts") or 0)
 
 
 def unknown_type(model_type) -> str | None:

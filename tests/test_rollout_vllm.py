@@ -155,3 +155,23 @@ def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa:
     vllm_procs = [p for p in procs if "resource_tracker" not in " ".join(p.cmdline())]
     assert vllm_procs and len(vllm_procs) < len(procs), [p.cmdline() for p in procs]
     R.check_hung_and_killed(ray_cluster, group, vllm_procs, "vLLM")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_moe_families_generate_and_take_updates_as_transformers(ray_cluster, tmp_path, family):  # noqa: F811
+    """Qwen3-MoE and GLM-4.5 in vLLM's own model classes: greedy tokens and log-probs equal
+    transformers', from the checkpoint and after every weight, scaled, went in by value."""
+    import copy
+
+    from tests.tiny_models import make_hf_model
+
+    hf = make_hf_model(family, str(tmp_path / "hf"))
+    model_dir = engine_model_dir(str(tmp_path / "hf"), str(tmp_path / "engine"), [R.STOP], "cpu")
+    moved = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            p.mul_(1.1 if "experts" in name else 0.9)
+    with R.running(ray_cluster, start_vllm, "vllm", model_dir) as group:
+        R.check_against_transformers(group, hf, R.PROMPTS[:2], steps=4)
+        _push(group, _checkpoint_tensors(moved, str(tmp_path / "moved")))
+        R.check_against_transformers(group, moved, R.PROMPTS[:2], steps=4)

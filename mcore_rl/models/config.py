@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.cli_errors import BadInput, hf_config
-from mcore_rl.model_checks import hf_config_problems, unknown_type
+from mcore_rl.model_checks import hf_config_problems, num_experts, unknown_type
 
 
 class UnsupportedModelError(BadInput):
@@ -66,12 +66,7 @@ class HFModel:
 
     @property
     def num_experts(self) -> int:
-        # each family's own key, as its transformers model reads it (a stray key of another family's
-        # is ignored there too): Qwen3-MoE hub configs say num_experts, transformers 5 writes
-        # num_local_experts; DeepSeek and GLM say n_routed_experts
-        if self.model_type == "qwen3_moe":
-            return int(self.get("num_experts") or self.get("num_local_experts") or 0)
-        return int(self.get("n_routed_experts") or 0)
+        return num_experts({**self.cfg, "model_type": self.model_type})
 
     @property
     def num_shared_experts(self) -> int:
