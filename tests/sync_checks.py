@@ -19,6 +19,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # that model learns in 30 steps (with a 512-wide latent, copy_last crawls: 0.06 -> 0.23, any engine)
 VLLM_TINY = ("rollout.engine=vllm", "model.hf_config.kv_lora_rank=512", "model.hf_config.qk_rope_head_dim=64",
              "data.task=constant")
+# configs/tiny_cpu.yaml as the other MoE families (README, "Model families"): Qwen3-MoE (GQA with a
+# head_dim of its own, q/k norms, softmax routing, no shared expert) and GLM-4.5 (q/k/v bias, q/k
+# norms, half the head rotated, DeepSeek-V3's sigmoid routing with bias and scaled weights)
+QWEN3_MOE_TINY = ("model.hf_config.model_type=qwen3_moe", "model.hf_config.num_experts=4",
+                  "model.hf_config.num_key_value_heads=2", "model.hf_config.norm_topk_prob=true")
+GLM4_MOE_TINY = ("model.hf_config.model_type=glm4_moe", "model.hf_config.num_key_value_heads=2",
+                 "model.hf_config.attention_bias=true", "model.hf_config.use_qk_norm=true",
+                 "model.hf_config.partial_rotary_factor=0.5", "model.hf_config.routed_scaling_factor=2.5")
 
 
 @contextlib.contextmanager

@@ -22,11 +22,12 @@ def test_staleness_is_per_sample_from_its_oldest_token():
 
 
 def test_one_step_off_learns_one_version_behind(tmp_path):
-    from tests.sync_checks import BROADCAST, train
+    """On Qwen3-MoE: also issue 27's GRPO run of that family in SGLang's engine, learning."""
+    from tests.sync_checks import BROADCAST, QWEN3_MOE_TINY, train
     from tests.test_train import _reward_rises, by_step
 
     out = str(tmp_path / "run")
-    p = train(out, *BROADCAST, "trainer.mode=one_step_off", "trainer.test_freq=-1", "trainer.save_freq=-1",
+    p = train(out, *BROADCAST, *QWEN3_MOE_TINY, "trainer.mode=one_step_off", "trainer.test_freq=-1", "trainer.save_freq=-1",
               "trainer.val_before_train=false")
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     _reward_rises(out)
