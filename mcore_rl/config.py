@@ -43,9 +43,9 @@ class ConfigError(BadInput):
 
 
 class Section(BaseModel):
-    """A config section: unknown keys are errors; field descriptions are printed by --schema."""
+    """A config section: unknown keys, and assignments out of type or range, are errors."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 def _is_section(tp) -> bool:
