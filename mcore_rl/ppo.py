@@ -8,8 +8,6 @@ rollout/old/ref log-probs, values, advantages, returns).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from mcore_rl import config as C
@@ -104,7 +102,7 @@ def correction_settings(cfg: C.Config) -> dict:
     measurably off the trainer's: an off-policy trainer.mode with decoupled_loss (the behaviour weight
     of decoupled PPO; the trainer's old log-probs are then the proximal policy), and FP8 engine weights
     (rollout.weight_dtype: fp8)."""
-    corr = dataclasses.asdict(cfg.algorithm.rollout_correction)
+    corr = cfg.algorithm.rollout_correction.model_dump()
     if cfg.actor.tis_imp_ratio_cap is not None:
         corr.update(rollout_is="token", rollout_is_threshold=cfg.actor.tis_imp_ratio_cap)
     elif corr["rollout_is"] is None and ((cfg.trainer.mode != "sync" and cfg.trainer.decoupled_loss)
@@ -202,7 +200,7 @@ def kl_controller(cfg: C.Config, coef: float | None = None):
 
     if not cfg.algorithm.use_kl_in_reward:
         return None
-    ctrl = make_kl_controller(**dataclasses.asdict(cfg.algorithm.kl_ctrl))
+    ctrl = make_kl_controller(**cfg.algorithm.kl_ctrl.model_dump())
     if coef is not None:
         ctrl.value = coef
     return ctrl

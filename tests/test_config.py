@@ -238,3 +238,29 @@ def test_sglang_refuses_qwen3_moe_dense_layers():
     assert "SGLang's Qwen3MoeForCausalLM makes every layer sparse" in msg and "mlp_only_layers=[0]" in msg
     assert load_config(tiny, qwen) and load_config(tiny, [*qwen, "model.hf_config.mlp_only_layers=[0]",
                                                           "rollout.engine=embedded"])
+
+
+def test_schema_lists_every_key_and_is_docs_config_md():
+    """`python -m mcore_rl.config --schema` names every key with its type and default, and
+    docs/config.md is its output (regenerate it with that command), so the docs cannot drift."""
+    from mcore_rl.config import Section, schema
+
+    text = schema()
+    with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:
+        assert f.read() == text, "docs/config.md is stale: python -m mcore_rl.config --schema > docs/config.md"
+
+    def rows(section, prefix):
+        for name, field in section.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+                yield from rows(field.annotation, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", json.dumps(field.get_default(call_default_factory=True))
+
+    keys = list(rows(Config, ""))
+    assert len(keys) > 100 and ("actor.lr", "1e-06") in keys and ("trainer.logger", '["console", "jsonl"]') in keys
+    for key, default in keys:
+        assert f"| `{key}` | " in text and f" | `{default}` | " in text.split(f"| `{key}` | ")[1].split("\n")[0], key
+    assert "| `actor.micro_batch_size` | int, >= 1 | `4` | samples per GPU per forward" in text
+    assert "| `rollout.top_p` | float, in (0, 1] | `1.0` |" in text
+    cli = subprocess.run([sys.executable, "-m", "mcore_rl.config", "--schema"], capture_output=True, text=True, cwd=ROOT)
+    assert cli.returncode == 0 and cli.stdout == text

@@ -56,7 +56,7 @@ class AdaptiveKLController:
 
 def make_kl_controller(type: str = "fixed", kl_coef: float = 1e-3, target_kl: float = 0.1,
                        horizon: int = 10000, **_) -> FixedKLController | AdaptiveKLController:
-    """Build from the `algorithm.kl_ctrl` config section (pass it as **asdict(section))."""
+    """Build from the `algorithm.kl_ctrl` config section (pass it as **section.model_dump())."""
     if type == "fixed":
         return FixedKLController(kl_coef)
     if type == "adaptive":
