@@ -59,13 +59,28 @@ def _read_text(path: str, what: str) -> str:
         raise BadInput(f"{path}: cannot be read ({e.strerror or e})") from None
 
 
+def yaml_load(text: str):
+    """yaml.safe_load, except that a number written with underscores stays text: YAML 1.1 reads
+    0.5_2 as 0.52, where verl's "lower_upper" thresholds mean the band [0.5, 2]."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    for tag, number in (("float", yaml.SafeLoader.construct_yaml_float), ("int", yaml.SafeLoader.construct_yaml_int)):
+        Loader.add_constructor(f"tag:yaml.org,2002:{tag}",
+                               lambda loader, node, number=number: node.value if "_" in node.value
+                               else number(loader, node))
+    return yaml.load(text, Loader=Loader)
+
+
 def read_yaml_mapping(path: str) -> dict:
     """The mapping at the top of a YAML file (an empty file is an empty mapping)."""
     import yaml
 
     text = _read_text(path, "YAML")
     try:
-        data = yaml.safe_load(text)
+        data = yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

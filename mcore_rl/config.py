@@ -22,7 +22,7 @@ from typing import Annotated, Any, Callable, Literal, Union
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from mcore_rl.cli_errors import BAD_INPUT, BadInput, read_yaml_mapping, report
+from mcore_rl.cli_errors import BAD_INPUT, BadInput, read_yaml_mapping, report, yaml_load
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -160,13 +160,13 @@ class RolloutCorrectionConfig(Section):
     algorithm.rollout_correction). The defaults correct nothing."""
 
     rollout_is: Literal["token", "sequence"] | None = Field(None, description="importance weights by token or sequence")
-    # a number first (YAML 1.1 reads `1e-3` as a string), else the string itself
-    rollout_is_threshold: float | str = Field(2.0, union_mode="left_to_right", description=(
+    # text first: lax float() would read the band 0.5_2 as 0.52 (mcore_rl.algos.rollout_correction parses text)
+    rollout_is_threshold: str | float = Field(2.0, union_mode="left_to_right", description=(
         "a number: truncate (TIS); \"lower_upper\": zero outside (IcePop)"))
     rollout_is_batch_normalize: bool = Field(False, description="weights rescaled to mean 1 over the batch")
     rollout_rs: str | None = Field(None, description=(
         "rejection (masked IS), comma-separated, e.g. \"token_k1\" or \"seq_mean_k1\" (geometric mean ratio)"))
-    rollout_rs_threshold: float | str | None = Field(None, union_mode="left_to_right",
+    rollout_rs_threshold: str | float | None = Field(None, union_mode="left_to_right",
                                                      description="k1: \"lower_upper\" ratios; k2/k3: an upper bound")
 
 
@@ -409,7 +409,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 errors.append(f"override {item!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
                 break
         else:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+            node[parts[-1]] = yaml_load(raw) if raw.strip() else ""
     if errors:
         raise ConfigError(errors)
     return data

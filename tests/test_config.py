@@ -264,3 +264,18 @@ def test_schema_lists_every_key_and_is_docs_config_md():
     assert "| `rollout.top_p` | float, in (0, 1] | `1.0` |" in text
     cli = subprocess.run([sys.executable, "-m", "mcore_rl.config", "--schema"], capture_output=True, text=True, cwd=ROOT)
     assert cli.returncode == 0 and cli.stdout == text
+
+
+def test_a_band_without_dots_is_a_band_not_a_number(tmp_path):
+    """YAML 1.1 and float() both read 0.5_2 as 0.52; verl's "lower_upper" threshold means [0.5, 2],
+    in an override and in a YAML file alike."""
+    from mcore_rl.algos.rollout_correction import Bounds, parse_is_threshold
+
+    path = tmp_path / "band.yaml"
+    path.write_text("algorithm:\n  rollout_correction:\n    rollout_is: token\n    rollout_is_threshold: 0.5_2\n")
+    from_file = load_config(str(path), validate=False)
+    from_override = load_config(None, ["algorithm.rollout_correction.rollout_is_threshold=0.5_2"], validate=False)
+    for cfg in (from_file, from_override):
+        assert parse_is_threshold(cfg.algorithm.rollout_correction.rollout_is_threshold) == Bounds(2.0, 0.5)
+    assert load_config(None, ["algorithm.rollout_correction.rollout_is_threshold=3"], validate=False) \
+        .algorithm.rollout_correction.rollout_is_threshold == 3.0
