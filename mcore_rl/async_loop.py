@@ -1,7 +1,7 @@
 """The async trainer modes: generation overlaps training (engines on resources of their own).
 
 `OneStepOff` (trainer.mode=one_step_off), below; `FullyAsync` (fully_async): a rollout worker
-(mcore_rl.rollout.buffer) keeps the engines busy, the trainer takes finished groups, weights
+(mcore_rl.rollout.buffer) keeps the engines busy, the trainer takes each step's finished groups, weights
 are synced every trainer.sync_every updates between two pieces of a partial rollout, and groups
 past trainer.max_staleness are regenerated.
 
@@ -21,9 +21,8 @@ a resume, on fresh ones). Every response token records the version of the weight
 
 Both stand in for the engine in train.rl_step (their `step_batch`, as a rollout replay's) and wrap
 the weight sync; nothing else of the loop changes. A killed run resumes from its checkpoint and
-regenerates what was in flight: one_step_off exactly the step's prompts (they follow from the step
-number); fully_async restarts its prompt stream at the step after the checkpoint, which is only
-approximately where the buffer stood (a prompt may be seen again or skipped).
+regenerates what was in flight: each step's prompts follow from its number, in both modes (a
+fully_async step waits for its own prompts' groups), so none is lost or trained twice.
 """
 
 from __future__ import annotations
@@ -187,16 +186,23 @@ def samples_batch(source, samples: list, experts=None, engine_label: str = "the 
 
 class FullyAsync:
     """trainer.mode=fully_async: a rollout worker (mcore_rl.rollout.buffer) keeps the engines
-    generating groups; each step takes data.train_batch_size finished groups, regenerating any with
-    a token more than trainer.max_staleness versions older than the trainer's weights. The weights
-    go to the engines every trainer.sync_every updates, between two pieces of the responses in
-    flight (partial rollout: trainer.partial_rollout_tokens)."""
+    generating the groups of the steps ahead; each step takes its own prompts' groups, regenerating
+    any with a token more than trainer.max_staleness versions older than the trainer's weights. The
+    weights go to the engines every trainer.sync_every updates, between two pieces of the responses
+    in flight (partial rollout: trainer.partial_rollout_tokens).
+
+    A step trains exactly the prompts it would in sync mode (its groups wait in the buffer until
+    it comes), so a resumed run, whose buffer starts empty at the step after its checkpoint, trains
+    each step's prompts once: what was in flight is regenerated, nothing lost or repeated. Dynamic
+    sampling (algorithm.filter_groups) takes its rounds from the buffer too: the first round of each
+    step is generated ahead, refill rounds when the step finds too few groups with varied rewards."""
 
     owns_weights = True
 
     def __init__(self, cfg: C.Config, engine, sync: Callable, source, prompts_of: Callable[[int], list[int]],
                  start: int):
         from mcore_rl import ppo
+        from mcore_rl.dynamic_sampling import refill_order, round_size
         from mcore_rl.rollout.buffer import RolloutWorker
         from mcore_rl.routing import ExpertLayout
 
@@ -205,39 +211,60 @@ class FullyAsync:
         self.sync_every, self.max_staleness = t.sync_every, t.max_staleness
         self.experts = ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
         self.clocks = StepClocks()
-        self.batch_groups = cfg.data.train_batch_size
+        self.next_step = start + 1  # the step whose groups the next step_batch takes
+        filtered = cfg.algorithm.filter_groups.enable
 
-        def prompt_stream():  # the steps' prompts in order, from the step after `start` on
+        def step_order(step: int) -> list[int]:  # a step's prompts as its generation rounds take them
+            mine = prompts_of(step)
+            return refill_order(len(source.prompts), mine, t.seed * 100003 + step) if filtered else mine
+
+        self.prompts_of, self.step_order = prompts_of, step_order
+        self.first_round = round_size(cfg, cfg.data.train_batch_size) if filtered else cfg.data.train_batch_size
+
+        def prompt_stream():  # (key, prompt) of each step's first round, from the step after `start` on
             step = start + 1
             while True:
-                yield from prompts_of(step)
+                yield from (((step, slot), i) for slot, i in enumerate(step_order(step)[:self.first_round]))
                 step += 1
 
         params = ppo.sampling_params(cfg, source, t.seed * 100003 + start)
-        # batches ahead of the trainer: a group started k batches before it is trained has a token
-        # about k versions old, so more than max_staleness batches ahead would only be regenerated
-        ahead = max(1, t.max_staleness) * self.batch_groups
+        # steps ahead of the trainer: a group started k steps before it is trained has a token about
+        # k versions old, so more than max_staleness steps ahead would only be regenerated
+        ahead = max(1, t.max_staleness) * self.first_round
         self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
                                     cfg.rollout.max_response_len, t.partial_rollout_tokens, ahead, start,
                                     self.clocks.engine, self.clocks.trainer_waits)
 
     def step_batch(self, step: int):
         from mcore_rl import ppo
+        from mcore_rl.dynamic_sampling import sample_step_batch
 
-        groups, regenerated = [], 0
-        while len(groups) < self.batch_groups:
-            for g in self.worker.take(self.batch_groups - len(groups)):
-                if step - 1 - min(v for s in g for v in s.versions) > self.max_staleness:
-                    self.worker.requeue(g[0].prompt_index)
-                    regenerated += 1
-                else:
-                    groups.append(g)
-        samples = [s for g in groups for s in g]
-        idx = [s.prompt_index for s in samples]
-        batch = samples_batch(self.source, samples, self.experts, getattr(self.engine, "label", "the rollout engine"))
-        score = ppo.scores(self.source, idx, batch)
-        metrics = {"async/regenerated_groups": float(regenerated), **self.clocks.step_metrics(batch, step)}
-        return batch, idx, score, score + ppo.reward_shaping(self.cfg, batch), metrics
+        own = self.next_step  # == step in a run (a test may train a step's groups under a later step)
+        self.next_step += 1
+        slot_of = {i: slot for slot, i in enumerate(self.step_order(own))}
+        regenerated = 0
+
+        def generate(prompts: list[int], seed: int):  # a round's groups from the buffer (the worker seeds them)
+            nonlocal regenerated
+            keys = [(own, slot_of[i]) for i in prompts]
+            self.worker.request([(k, i) for k, i in zip(keys, prompts) if k[1] >= self.first_round])  # refills
+            groups = dict(zip(keys, self.worker.take(keys)))
+            while stale := [k for k, g in groups.items()
+                            if step - 1 - min(v for s in g for v in s.versions) > self.max_staleness]:
+                self.worker.request([(k, groups[k][0].prompt_index) for k in stale])
+                regenerated += len(stale)
+                groups.update(zip(stale, self.worker.take(stale)))
+            samples = [s for k in keys for s in groups[k]]
+            idx = [s.prompt_index for s in samples]
+            batch = samples_batch(self.source, samples, self.experts,
+                                  getattr(self.engine, "label", "the rollout engine"))
+            score = ppo.scores(self.source, idx, batch)
+            return batch, idx, score, score + ppo.reward_shaping(self.cfg, batch)
+
+        batch, idx, score, reward, metrics = sample_step_batch(
+            self.cfg, self.engine, self.source, self.prompts_of(own), self.cfg.trainer.seed * 100003 + own, generate)
+        metrics.update({"async/regenerated_groups": float(regenerated), **self.clocks.step_metrics(batch, step)})
+        return batch, idx, score, reward, metrics
 
     def sync(self, step: int, verify: bool | None = None) -> dict:
         """After every sync_every-th update: the weights, between two pieces of the responses in flight."""

@@ -127,8 +127,6 @@ def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) ->
     if t.mode == "fully_async" and t.max_staleness < t.sync_every - 1:
         errors.append(f"trainer.max_staleness = {t.max_staleness} must be >= sync_every - 1 = {t.sync_every - 1}: "
                       "the last update before a sync trains on samples that old")
-    if t.mode == "fully_async" and cfg.algorithm.filter_groups.enable:
-        errors.append("trainer.mode 'fully_async' does not run dynamic sampling (algorithm.filter_groups) yet")
     if r.engine == "embedded" and not c.colocate:
         errors.append("rollout.engine 'embedded' samples on the trainer's own shards: it needs cluster.colocate: true")
     if r.engine != "embedded" and r.sync_transport == "ipc" and not c.colocate:

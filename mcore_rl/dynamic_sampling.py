@@ -5,11 +5,14 @@ further prompts until data.train_batch_size groups remain.
 Refills come from the step's prompts followed by every other prompt in an order seeded by the
 step, so the step's own prompts (and a resumed run) stay as without filtering; a prompt may then
 be seen again in the same epoch as a refill. Each round generates data.gen_batch_size prompts.
+trainer.mode=fully_async runs the same rounds on groups from its rollout buffer (`generate`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from typing import Callable
 
 from mcore_rl import config as C
 from mcore_rl import ppo
@@ -23,14 +26,17 @@ class RefillsExhausted(RuntimeError):
     """Dynamic sampling ran out of generation rounds or prompts before the batch was full."""
 
 
-def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed: int
+def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed: int,
+                      generate: Callable[[list[int], int], tuple] | None = None
                       ) -> tuple[dict, list[int], torch.Tensor, torch.Tensor, dict]:
     """(batch, idx, score, reward, metrics): idx repeats each prompt rollout.n times; score is the
-    rule score of each sample, reward the score after reward shaping (what advantages use)."""
+    rule score of each sample, reward the score after reward shaping (what advantages use).
+    generate(prompts, seed) -> (batch, idx, score, reward) of one round; default: on `engine`."""
+    generate = generate or (lambda prompts, round_seed: _generate(cfg, engine, source, prompts, round_seed))
     if cfg.algorithm.filter_groups.enable:
-        batch, idx, score, reward, metrics = _filtered(cfg, engine, source, prompt_idx, seed)
+        batch, idx, score, reward, metrics = _filtered(cfg, generate, len(source.prompts), prompt_idx, seed)
     else:
-        (batch, idx, score, reward), metrics = _generate(cfg, engine, source, prompt_idx, seed), {}
+        (batch, idx, score, reward), metrics = generate(prompt_idx, seed), {}
     if cfg.reward.overlong_buffer.enable:
         penalty = reward - score
         metrics.update({"reward/overlong_penalty_mean": penalty.mean().item(),
@@ -38,10 +44,10 @@ def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed
     return batch, idx, score, reward, metrics
 
 
-def _filtered(cfg: C.Config, engine, source, prompt_idx: list[int], seed: int):
+def _filtered(cfg: C.Config, generate, num_prompts: int, prompt_idx: list[int], seed: int):
     fg, n, want = cfg.algorithm.filter_groups, cfg.rollout.n, len(prompt_idx)
-    size = cfg.data.gen_batch_size or want
-    stream = _refill_order(len(source.prompts), prompt_idx, seed)
+    size = round_size(cfg, want)
+    stream = refill_order(num_prompts, prompt_idx, seed)
     parts, kept, rounds = [], 0, 0
     while kept < want:
         start = rounds * size
@@ -50,7 +56,7 @@ def _filtered(cfg: C.Config, engine, source, prompt_idx: list[int], seed: int):
                 f"dynamic sampling: {kept} of {want} prompt groups had unequal {fg.metric}s after {rounds} "
                 f"generation rounds ({min(start, len(stream))} prompts); raise algorithm.filter_groups."
                 "max_num_gen_batches or data.gen_batch_size, or use data the policy neither always passes nor fails")
-        batch, idx, score, reward = _generate(cfg, engine, source, stream[start:start + size], seed + start * n)
+        batch, idx, score, reward = generate(stream[start:start + size], seed + start * n)
         keep = varied_groups(reward if fg.metric == "reward" else score, n)
         rows = torch.repeat_interleave(keep, n).nonzero().squeeze(-1)
         parts.append(({k: v[rows] for k, v in batch.items()}, [idx[i] for i in rows.tolist()], score[rows],
@@ -74,7 +80,13 @@ def _generate(cfg, engine, source, prompts: list[int], seed: int):
     return batch, idx, score, score + ppo.reward_shaping(cfg, batch)
 
 
-def _refill_order(num_prompts: int, first: list[int], seed: int) -> list[int]:
+def round_size(cfg: C.Config, step_prompts: int) -> int:
+    """Prompts per generation round of dynamic sampling."""
+    return cfg.data.gen_batch_size or step_prompts
+
+
+def refill_order(num_prompts: int, first: list[int], seed: int) -> list[int]:
+    """The prompts a step's rounds take, in order: its own, then every other one, shuffled by `seed`."""
     taken = set(first)
     rest = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed)).tolist()
     return list(first) + [i for i in rest if i not in taken]

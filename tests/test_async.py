@@ -63,7 +63,7 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
         try:
             w = run.worker
             with w.cond:  # the first piece is in: every response in flight has a token of version 0
-                while not any(s.tokens and not s.finished for g in w.in_flight for s in g):
+                while not any(s.tokens and not s.finished for g in w.in_flight.values() for s in g):
                     w.raise_if_failed()
                     w.cond.wait(timeout=1.0)
             group.call("run", perturb, 1.05)

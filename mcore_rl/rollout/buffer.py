@@ -54,20 +54,22 @@ class Sample:
 
 
 class RolloutWorker:
-    """Generates groups of `params.n` responses for the prompt indices of `prompts`, keeping
-    `groups_ahead` groups in flight or finished; `take` hands finished ones over (first finished,
-    first taken). `engine.generate_requests` runs on the worker's thread only; `engine_clock` and
-    `wait_clock` (BusyClocks) time the engines' generation and the trainer's waits."""
+    """Generates groups of `params.n` responses, each under a key (a step's and its place in the
+    step's prompts): first the (key, prompt index) pairs `request`ed, then those of `prompts`,
+    keeping `groups_ahead` groups of `prompts` in flight or finished; `take` hands the finished
+    groups of given keys over. `engine.generate_requests` runs on the worker's thread only;
+    `engine_clock` and `wait_clock` (BusyClocks) time the engines' generation and the trainer's waits.
+    A failure on the worker's thread is raised on the trainer's by its next `take` or `paused`."""
 
-    def __init__(self, engine, prompt_tokens, prompts: Iterator[int], params: SamplingParams, max_len: int,
-                 segment: int, groups_ahead: int, version: int, engine_clock, wait_clock):
+    def __init__(self, engine, prompt_tokens, prompts: Iterator[tuple[tuple, int]], params: SamplingParams,
+                 max_len: int, segment: int, groups_ahead: int, version: int, engine_clock, wait_clock):
         self.engine, self.prompt_tokens, self.prompts = engine, prompt_tokens, prompts
         self.params, self.max_len, self.segment, self.groups_ahead = params, max_len, segment, groups_ahead
         self.version = version  # of the weights the engines hold; changed only while paused
         self.engine_clock, self.wait_clock = engine_clock, wait_clock
-        self.requeued: collections.deque[int] = collections.deque()
-        self.in_flight: list[list[Sample]] = []
-        self.ready: list[list[Sample]] = []
+        self.requested: collections.deque[tuple[tuple, int]] = collections.deque()
+        self.in_flight: dict[tuple, list[Sample]] = {}
+        self.ready: dict[tuple, list[Sample]] = {}
         self.groups_started = 0
         self.cond = threading.Condition()
         # idle: the worker waits between two pieces, no generation running (a pause holds it there)
@@ -88,7 +90,7 @@ class RolloutWorker:
                     if self.stopped:
                         return
                     self._fill()
-                    live = [s for g in self.in_flight for s in g if not s.finished]
+                    live = [s for g in self.in_flight.values() for s in g if not s.finished]
                     version = self.version
                     if not live:  # the buffer is full: wait for the trainer to take a batch
                         self.cond.wait(timeout=0.5)
@@ -102,8 +104,8 @@ class RolloutWorker:
                 with self.cond:
                     for s, piece in zip(live, pieces):
                         s.extend(piece, version, self.max_len)
-                    self.ready += [g for g in self.in_flight if all(s.finished for s in g)]
-                    self.in_flight = [g for g in self.in_flight if not all(s.finished for s in g)]
+                    done = [k for k, g in self.in_flight.items() if all(s.finished for s in g)]
+                    self.ready.update((k, self.in_flight.pop(k)) for k in done)
                     self.cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread, raised there
             with self.cond:
@@ -111,13 +113,18 @@ class RolloutWorker:
                 self.cond.notify_all()
 
     def _fill(self) -> None:
-        n = self.params.n
+        # requested groups start at once: the trainer waits for them, whatever the buffer holds
+        while self.requested:
+            self._start(*self.requested.popleft())
         while len(self.in_flight) + len(self.ready) < self.groups_ahead:
-            i = self.requeued.popleft() if self.requeued else next(self.prompts)
-            base = None if self.params.seed is None else self.params.seed + self.groups_started * n
-            self.in_flight.append([Sample(i, list(self.prompt_tokens(i)), None if base is None else base + j)
-                                   for j in range(n)])
-            self.groups_started += 1
+            self._start(*next(self.prompts))
+
+    def _start(self, key: tuple, i: int) -> None:
+        n, seed = self.params.n, self.params.seed
+        base = None if seed is None else seed + self.groups_started * n
+        self.in_flight[key] = [Sample(i, list(self.prompt_tokens(i)), None if base is None else base + j)
+                               for j in range(n)]
+        self.groups_started += 1
 
     # ---- the trainer's thread -------------------------------------------------------------------
     def raise_if_failed(self) -> None:
@@ -126,24 +133,25 @@ class RolloutWorker:
         if not self.thread.is_alive() and not self.stopped:
             raise RuntimeError("the rollout worker stopped")
 
-    def take(self, groups: int) -> list[list[Sample]]:
-        """The first `groups` finished groups, waiting for them."""
+    def take(self, keys: list[tuple]) -> list[list[Sample]]:
+        """The finished groups of `keys` (in their order), waiting for them."""
         self.wait_clock.start()
         try:
             with self.cond:
-                while len(self.ready) < groups:
+                while not all(k in self.ready for k in keys):
                     self.raise_if_failed()
                     self.cond.wait(timeout=1.0)
-                out, self.ready = self.ready[:groups], self.ready[groups:]
+                out = [self.ready.pop(k) for k in keys]
                 self.cond.notify_all()
                 return out
         finally:
             self.wait_clock.stop()
 
-    def requeue(self, prompt_index: int) -> None:
-        """Generate this prompt's group again (it went stale in the buffer)."""
+    def request(self, groups: list[tuple[tuple, int]]) -> None:
+        """Generate these (key, prompt index) groups next: a refill, or a group gone stale in the buffer."""
         with self.cond:
-            self.requeued.append(prompt_index)
+            self.requested.extend(groups)
+            self.cond.notify_all()
 
     @contextlib.contextmanager
     def paused(self):
