@@ -15,6 +15,16 @@ the max over steps 2..N, next to the memory plan's per-phase GiB (`mcore_rl.plan
 run's GPU and host-RSS peaks sampled from here. The checkpoint stays in the loop
 (`trainer.save_freq` as configured; the last step always saves). Prints a table ("not measured"
 where the loop logged nothing); writes JSON.
+
+    python benchmarks/rl_loop_bench.py --config configs/tiny_cpu.yaml --out modes.json \
+        --modes sync,one_step_off,fully_async [key=value ...]
+
+compares the trainer modes (issue 26) instead: the loop once per mode, the same config and
+overrides (engines on resources of their own: cluster.colocate=false; fully_async also with
+trainer.partial_rollout_tokens=8 unless overridden), and a table of samples/s over steps 2..N (every
+step trains data.train_batch_size x rollout.n samples), the speedup over sync, the staleness mean
+and max, the partial fraction, the engine's and trainer's idle fractions and the response length,
+each the mean over steps 2..N.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.flops import MATMUL_PEAK, attention_flops_per_token  # noqa: E402
-from benchmarks.harness import write_json  # noqa: E402
+from benchmarks.harness import table, write_json  # noqa: E402
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
           "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "timing/resume_kv_cache")
@@ -43,6 +53,13 @@ MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),
             for k in ("allocated", "reserved")), "memory/trainer_offloaded_allocated_gib",
           "memory/trainer_offloaded_reserved_gib", "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
           *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout")), "timing/save", "checkpoint/state_gib")
+
+
+# each mode's settings, before the command line's overrides (which win)
+MODE_ARGS = {"sync": (), "one_step_off": ("trainer.mode=one_step_off",),
+             "fully_async": ("trainer.mode=fully_async", "trainer.partial_rollout_tokens=8")}
+MODE_METRICS = ("async/staleness_mean", "async/staleness_max", "async/partial_fraction", "async/engine_idle_fraction",
+                "async/trainer_idle_fraction", "response/length")
 
 
 def active_params(hf) -> float:
@@ -116,14 +133,48 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
         ray.shutdown()
 
 
+def compare_modes(config: str, overrides: list[str], modes: list[str], out: str) -> int:
+    """The loop once per trainer mode; samples/s and the async metrics side by side."""
+    from mcore_rl import config as C
+
+    work = tempfile.mkdtemp(prefix="rl_loop_modes_")
+    rows = []
+    for mode in modes:
+        args = [*MODE_ARGS[mode], *overrides]
+        cfg = C.load_config(config, args)
+        steps, _ = run_loop(config, args, os.path.join(work, mode))
+        trained = [s for k, s in sorted(steps.items()) if k >= 1 and "reward/mean" in s]
+        later = trained[1:]  # step 1 warms up
+        samples = len(later) * cfg.data.train_batch_size * cfg.rollout.n
+        means = {k.split("/")[1]: statistics.mean(s[k] for s in later) if all(k in s for s in later) else None
+                 for k in MODE_METRICS}  # None: the mode does not log it (sync: no async/*)
+        rows.append({"mode": mode, "overrides": args, "steps": len(trained),
+                     "samples_per_s": samples / (trained[-1]["time"] - trained[0]["time"]),
+                     "reward_last3": statistics.mean(s["reward/mean"] for s in trained[-3:]), **means})
+    base = next((r["samples_per_s"] for r in rows if r["mode"] == "sync"), None)
+    for r in rows:
+        r["speedup_vs_sync"] = r["samples_per_s"] / base if base else None
+    write_json({"config": config, "overrides": overrides, "modes": rows}, out)
+    print(table(["mode", "samples/s", "vs sync", "staleness mean", "staleness max", "partial fraction",
+                 "engine idle", "trainer idle", "response length", "reward (last 3)"],
+                [[r["mode"], r["samples_per_s"], r["speedup_vs_sync"], r["staleness_mean"], r["staleness_max"],
+                  r["partial_fraction"], r["engine_idle_fraction"], r["trainer_idle_fraction"], r["length"],
+                  r["reward_last3"]] for r in rows], digits=2))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-engine-alone", action="store_true",
                     help="skip the engine-alone measurement (reported as not measured)")
+    ap.add_argument("--modes", help="comma-separated trainer modes (sync,one_step_off,fully_async) to compare "
+                                    "instead of timing one run's phases")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
+    if a.modes:
+        return compare_modes(a.config, a.overrides, a.modes.split(","), a.out)
     from mcore_rl import config as C
     from mcore_rl.models.config import HFModel
     from mcore_rl.plan import plan_for_config
