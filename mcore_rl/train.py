@@ -504,12 +504,16 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.dynamic_sampling import RefillsExhausted
     from mcore_rl.rollout_dump import DumpError
     from mcore_rl.memory.planner import PlanError
+    from mcore_rl.rollout.base import EngineError
 
     t0 = time.perf_counter()
     try:
         m = train(cfg, inputs, replay=a.replay)
     except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError, PlacementTimeout) as e:
         return report(e)
+    except EngineError as e:  # an engine died or hung mid-run (its message names it): rerunning resumes
+        print(f"error: {e}; the same command resumes from the last checkpoint", file=sys.stderr)
+        return 1
     except PlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:
             print(e.plan.table())

@@ -1,15 +1,18 @@
 """The async modes (mcore_rl/async_loop.py) with SGLang's real engine on a "GPU" of its own, fed over
 the gloo update group. one_step_off: the tiny task still learns, every step after the first trains
 on samples exactly one version old (from metrics.jsonl), and the engine really lags the trainer.
-fully_async: a partial rollout that a weight sync splits keeps tokens, log-probs, mask and versions
-aligned token for token, and no sample past trainer.max_staleness is trained on. Staleness is per
-sample, from its oldest token."""
+fully_async: the tiny task learns within the staleness bound, a killed engine is a one-line error
+and the run resumes from its checkpoint training each step's own prompts once; a partial rollout
+that a weight sync splits keeps tokens, log-probs, mask and versions aligned token for token, no
+sample past trainer.max_staleness is trained on, and dynamic sampling takes its rounds from the
+buffer. Staleness is per sample, from its oldest token."""
 
 from __future__ import annotations
 
 import torch
 
 from mcore_rl.async_loop import staleness_metrics
+from tests.sync_checks import BROADCAST, train
 
 
 def test_staleness_is_per_sample_from_its_oldest_token():
@@ -23,7 +26,7 @@ def test_staleness_is_per_sample_from_its_oldest_token():
 
 def test_one_step_off_learns_one_version_behind(tmp_path):
     """On Qwen3-MoE: also issue 27's GRPO run of that family in SGLang's engine, learning."""
-    from tests.sync_checks import BROADCAST, QWEN3_MOE_TINY, train
+    from tests.sync_checks import QWEN3_MOE_TINY
     from tests.test_train import _reward_rises, by_step
 
     out = str(tmp_path / "run")
@@ -50,28 +53,40 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
     """Responses generated a token at a time; the trainer's weights move and are synced while they
     are in flight. The engine's log-prob of each token equals the trainer's exactly where the token
     records the trainer's version: tokens, log-probs, mask and versions line up token for token."""
+    import copy
+
     from mcore_rl.async_loop import FullyAsync
+    from mcore_rl.dynamic_sampling import refill_order
     from mcore_rl.train import step_prompts
-    from tests.sync_checks import BROADCAST, perturb, started_run
+    from tests.sync_checks import perturb, started_run
 
     overrides = (*BROADCAST, "trainer.mode=fully_async", "trainer.partial_rollout_tokens=1", "trainer.max_staleness=2",
                  "rollout.max_response_len=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
                  "actor.micro_batch_size=16")
     with started_run(str(tmp_path), overrides) as (cfg, group, engine, sync, source):
         sync(0)
+        group.call("run", perturb, 1.05)  # the trainer's version 1, before the worker races ahead
         run = FullyAsync(cfg, engine, sync, source, lambda k: step_prompts(cfg, source, k), start=0)
         try:
             w = run.worker
-            with w.cond:  # the first piece is in: every response in flight has a token of version 0
-                while not any(s.tokens and not s.finished for g in w.in_flight.values() for s in g):
+            with w.cond:  # the first piece is in: step 1's responses in flight have a token of version 0
+                while not any(s.tokens and not s.finished for (step, _), g in w.in_flight.items() if step == 1
+                              for s in g):
                     w.raise_if_failed()
                     w.cond.wait(timeout=1.0)
-            group.call("run", perturb, 1.05)
             run.sync(1)  # version 1 continues them
-            batch, _, _, _, metrics = run.step_batch(2)  # trains version 1
+            batch, _, _, _, metrics = run.step_batch(2)  # step 1's groups, trained by version 1
             ours = torch.cat(group.call("log_probs", batch))
-            # no sync: trains version 3, where groups with a version-0 token are 3 versions old
+            # step 2's groups, no sync: trained by version 3, where a group with a version-0 token is 3 versions old
             later = run.step_batch(4)
+        finally:
+            run.shutdown()
+        # DAPO's dynamic sampling through the same buffer: refill rounds requested as the step needs them
+        dynamic = copy.deepcopy(cfg)
+        dynamic.algorithm.filter_groups.enable = True
+        run = FullyAsync(dynamic, engine, sync, source, lambda k: step_prompts(cfg, source, k), start=4)
+        try:
+            filtered = run.step_batch(5)
         finally:
             run.shutdown()
     mask, versions = batch["response_mask"].bool(), batch["token_versions"]
@@ -85,3 +100,76 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
     batch3, metrics3 = later[0], later[4]
     assert metrics3["async/regenerated_groups"] > 0 and metrics3["async/staleness_max"] == 2
     assert (batch3["token_versions"][batch3["response_mask"].bool()] == 1).all()
+    # 4 groups whose rewards vary, the first ones of step 5's prompts and refills in their order
+    _, idx, _, reward, metrics = filtered
+    order = refill_order(len(source.prompts), step_prompts(cfg, source, 5), cfg.trainer.seed * 100003 + 5)
+    places = [order.index(i) for i in idx[::8]]
+    assert len(idx) == 32 and (reward.reshape(4, 8).amax(1) > reward.reshape(4, 8).amin(1)).all()
+    assert places == sorted(set(places)) and places[-1] < 4 * metrics["train/num_gen_batches"], places
+    assert 0 < metrics["train/kept_group_fraction"] <= 1
+
+
+def test_fully_async_learns_and_a_killed_engine_resumes_training_each_steps_prompts_once(tmp_path):
+    """fully_async on the tiny task, responses a token a piece (a sync lands between two): the engine
+    is killed mid-run after the step-10 checkpoint; the run stops within a minute with one error
+    line naming the engine, nonzero. The same command resumes from step 10 and ends. Over the 30
+    steps (30 x 128 samples, as the sync run of tests/test_train.py) the reward rises past that
+    run's thresholds, and no trained sample is more than trainer.max_staleness (1) versions old at
+    any step (metrics.jsonl). Every step, before and after the kill, trained exactly its own
+    prompts, in order (the dumped prompt indices): the groups in the buffer at the kill were
+    regenerated, none lost, none trained twice."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from mcore_rl import config as C
+    from mcore_rl.data.prompts import load_prompt_sources
+    from mcore_rl.train import step_prompts
+    from tests.sync_checks import ROOT
+    from tests.test_train import _reward_rises, by_step
+
+    out, dump = str(tmp_path / "run"), tmp_path / "dump"
+    overrides = (*BROADCAST, "trainer.mode=fully_async", "trainer.partial_rollout_tokens=1", "trainer.test_freq=-1",
+                 "trainer.val_before_train=false", "trainer.save_freq=10", f"trainer.rollout_dump_dir={dump}")
+    cmd = [sys.executable, "-m", "mcore_rl.train", "--config", "configs/tiny_cpu.yaml", f"trainer.output_dir={out}",
+           *overrides]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
+    try:
+        deadline = time.time() + 600
+        while not os.path.exists(os.path.join(out, "checkpoints", "step_10")) and time.time() < deadline:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        engines = [c for c in psutil.Process(p.pid).children(recursive=True) if c.name().startswith("ray::SGLang")]
+        assert engines, "no engine process found"
+        for e in engines:
+            for c in [e, *e.children(recursive=True)]:
+                c.kill()
+        t0 = time.time()
+        _, err = p.communicate(timeout=120)  # never a hang
+        assert time.time() - t0 < 60
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    last = err.strip().splitlines()[-1]
+    assert p.returncode == 1 and last.startswith("error: SGLang engine 0 node 0 died during "), err[-3000:]
+    assert "resumes from the last checkpoint" in last
+    again = train(out, *overrides)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "resumed from" in again.stdout and "step_10" in again.stdout.split("resumed from")[1].splitlines()[0]
+    steps = by_step(out)
+    assert sorted(k for k, s in steps.items() if "reward/mean" in s) == list(range(1, 31))
+    _reward_rises(out)
+    trained = [steps[k] for k in range(1, 31)]
+    assert all(s["async/staleness_max"] <= 1 for s in trained), [s["async/staleness_max"] for s in trained]
+    assert max(s["async/partial_fraction"] for s in trained) > 0  # syncs did split responses
+    cfg = C.load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), [f"trainer.output_dir={out}", *overrides])
+    source, _ = load_prompt_sources(cfg)
+    for k in range(1, 31):
+        dumped = torch.load(dump / f"step_{k}.pt", weights_only=True)["index"]
+        assert dumped.tolist() == [i for i in step_prompts(cfg, source, k) for _ in range(8)], k
