@@ -512,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError, PlacementTimeout) as e:
         return report(e)
     except EngineError as e:  # an engine died or hung mid-run (its message names it): rerunning resumes
-        print(f"error: {e}; the same command resumes from the last checkpoint", file=sys.stderr)
+        cause = getattr(e, "cause", None) or e  # met by a trainer rank in a weight sync: Ray wraps it
+        print(f"error: {cause}; the same command resumes from the last checkpoint", file=sys.stderr)
         return 1
     except PlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:
