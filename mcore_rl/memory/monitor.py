@@ -165,9 +165,10 @@ def _process_tree(pids: set[int]) -> list[psutil.Process]:
 def _about_to_exec(p: psutil.Process) -> bool:
     """A child younger than COPY_AGE_S still running its parent's program: between its (v)fork and its exec."""
     try:
+        if time.time() - p.create_time() >= COPY_AGE_S:  # most processes: no /proc reads beyond this one
+            return False
         parent = p.parent()
-        return (time.time() - p.create_time() < COPY_AGE_S and parent is not None
-                and p.cmdline() == parent.cmdline())
+        return parent is not None and p.cmdline() == parent.cmdline()
     except psutil.Error:
         return False
 
