@@ -99,6 +99,17 @@ def _by_value(named: dict[str, torch.Tensor]) -> dict:
     return {"flattened_tensor": flat, "metadata": [dict(vars(m)) for m in metas]}
 
 
+def _scaled(model):
+    """A copy of `model` with every weight moved: experts x1.1, the rest x0.9."""
+    import copy
+
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in moved.named_parameters():
+            p.mul_(1.1 if "experts" in name else 0.9)
+    return moved
+
+
 def _push(group, named: dict[str, torch.Tensor]):
     target = group.weight_target()
     target.begin_weight_update()
@@ -110,14 +121,9 @@ def test_weight_updates_generate_what_transformers_does(ds_two, models, tmp_path
     """Every weight scaled (experts, router, MLA, norms) reaches both engines by value: they then
     generate as transformers does with those weights (MoE prepack re-run: compat); the original
     weights come back from a disk version."""
-    import copy
-
     hf = models["deepseek_v3_vllm"][0]
     hf.save_pretrained(str(tmp_path / "original"))
-    moved = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, p in moved.named_parameters():
-            p.mul_(1.1 if "experts" in name else 0.9)
+    moved = _scaled(hf)
     try:
         _push(ds_two, _checkpoint_tensors(moved, str(tmp_path / "moved")))
         R.check_against_transformers(ds_two, moved)
@@ -161,16 +167,11 @@ def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa:
 def test_moe_families_generate_and_take_updates_as_transformers(ray_cluster, tmp_path, family):  # noqa: F811
     """Qwen3-MoE and GLM-4.5 in vLLM's own model classes: greedy tokens and log-probs equal
     transformers', from the checkpoint and after every weight, scaled, went in by value."""
-    import copy
-
     from tests.tiny_models import make_hf_model
 
     hf = make_hf_model(family, str(tmp_path / "hf"))
     model_dir = engine_model_dir(str(tmp_path / "hf"), str(tmp_path / "engine"), [R.STOP], "cpu")
-    moved = copy.deepcopy(hf)
-    with torch.no_grad():
-        for name, p in moved.named_parameters():
-            p.mul_(1.1 if "experts" in name else 0.9)
+    moved = _scaled(hf)
     with R.running(ray_cluster, start_vllm, "vllm", model_dir) as group:
         R.check_against_transformers(group, hf, R.PROMPTS[:2], steps=4)
         _push(group, _checkpoint_tensors(moved, str(tmp_path / "moved")))
