@@ -63,24 +63,26 @@ def train(out: str, *overrides, timeout: int = 900) -> subprocess.CompletedProce
                           env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
 
 
-# a few verified GRPO steps, for the transports' tests
-SHORT_RUN = ("trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
-             "trainer.save_freq=-1", "rollout.verify_sync_every=1")
+# GRPO steps with every sync verified, for the transports' tests
+VERIFIED = ("trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1", "rollout.verify_sync_every=1")
 # engines on their own "GPU", fed over an update group (gloo stands in for NCCL)
 BROADCAST = ("cluster.n_gpus_per_node=3", "cluster.colocate=false", "cluster.rollout_gpus=1")
 DISK = ("rollout.sync_transport=disk",)  # the fallback: versions written to disk, loaded by the engine
 
 
-def check_verified_grpo_steps(out: str, *overrides) -> None:
-    """A 3-step run with `overrides` ends well, every sync verified and the engine's log-probs the trainer's."""
-    from tests.test_train import by_step
+def check_verified_grpo_steps(out: str, *overrides, steps: int = 3) -> None:
+    """A `steps`-step run with `overrides` ends well, every sync verified and the engine's log-probs
+    the trainer's; a 30-step run's reward also rises as the sync run's of tests/test_train.py."""
+    from tests.test_train import _reward_rises, by_step
 
-    p = train(out, *SHORT_RUN, *overrides)
+    p = train(out, f"trainer.total_training_steps={steps}", *VERIFIED, *overrides)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    steps = by_step(out)
-    assert sorted(steps) == [0, 1, 2, 3]
-    assert all(steps[k]["sync/verified"] == 1.0 and steps[k]["rollout/logp_diff_abs_mean"] < 1e-3
-               for k in (1, 2, 3)), steps
+    by = by_step(out)
+    assert sorted(by) == list(range(steps + 1))
+    assert all(by[k]["sync/verified"] == 1.0 and by[k]["rollout/logp_diff_abs_mean"] < 1e-3
+               for k in range(1, steps + 1)), by
+    if steps >= 30:
+        _reward_rises(out)
 
 
 def check_a_corrupted_tensor_fails(run, match: str) -> None:
