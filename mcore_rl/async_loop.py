@@ -202,14 +202,13 @@ class FullyAsync:
     def __init__(self, cfg: C.Config, engine, sync: Callable, source, prompts_of: Callable[[int], list[int]],
                  start: int):
         from mcore_rl import ppo
-        from mcore_rl.dynamic_sampling import refill_order, round_size
+        from mcore_rl.dynamic_sampling import expert_layout, refill_order, round_size
         from mcore_rl.rollout.buffer import RolloutWorker
-        from mcore_rl.routing import ExpertLayout
 
         t = cfg.trainer
         self.cfg, self.engine, self._sync, self.source = cfg, engine, sync, source
         self.sync_every, self.max_staleness = t.sync_every, t.max_staleness
-        self.experts = ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
+        self.experts = expert_layout(cfg)
         self.clocks = StepClocks()
         self.next_step = start + 1  # the step whose groups the next step_batch takes
         filtered = cfg.algorithm.filter_groups.enable
@@ -236,8 +235,7 @@ class FullyAsync:
                                     self.clocks.engine, self.clocks.trainer_waits)
 
     def step_batch(self, step: int):
-        from mcore_rl import ppo
-        from mcore_rl.dynamic_sampling import sample_step_batch
+        from mcore_rl.dynamic_sampling import sample_step_batch, scored
 
         own = self.next_step  # == step in a run (a test may train a step's groups under a later step)
         self.next_step += 1
@@ -255,11 +253,9 @@ class FullyAsync:
                 regenerated += len(stale)
                 groups.update(zip(stale, self.worker.take(stale)))
             samples = [s for k in keys for s in groups[k]]
-            idx = [s.prompt_index for s in samples]
             batch = samples_batch(self.source, samples, self.experts,
                                   getattr(self.engine, "label", "the rollout engine"))
-            score = ppo.scores(self.source, idx, batch)
-            return batch, idx, score, score + ppo.reward_shaping(self.cfg, batch)
+            return scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
 
         batch, idx, score, reward, metrics = sample_step_batch(
             self.cfg, self.engine, self.source, self.prompts_of(own), self.cfg.trainer.seed * 100003 + own, generate)

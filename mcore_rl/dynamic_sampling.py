@@ -32,7 +32,9 @@ def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed
     """(batch, idx, score, reward, metrics): idx repeats each prompt rollout.n times; score is the
     rule score of each sample, reward the score after reward shaping (what advantages use).
     generate(prompts, seed) -> (batch, idx, score, reward) of one round; default: on `engine`."""
-    generate = generate or (lambda prompts, round_seed: _generate(cfg, engine, source, prompts, round_seed))
+    if generate is None:
+        experts = expert_layout(cfg)  # once: every round's routes have it
+        generate = lambda prompts, round_seed: _generate(cfg, engine, source, prompts, round_seed, experts)  # noqa: E731
     if cfg.algorithm.filter_groups.enable:
         batch, idx, score, reward, metrics = _filtered(cfg, generate, len(source.prompts), prompt_idx, seed)
     else:
@@ -70,14 +72,22 @@ def _filtered(cfg: C.Config, generate, num_prompts: int, prompt_idx: list[int], 
             torch.cat([p[2] for p in parts])[rows], torch.cat([p[3] for p in parts])[rows], metrics)
 
 
-def _generate(cfg, engine, source, prompts: list[int], seed: int):
+def expert_layout(cfg: C.Config):
+    """The layout of the routes the engines return (routing replay), or None when they return none."""
     from mcore_rl.routing import ExpertLayout
 
-    idx = [i for i in prompts for _ in range(cfg.rollout.n)]
-    experts = ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
-    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed), experts)
+    return ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
+
+
+def scored(cfg: C.Config, source, idx: list[int], batch: dict):
+    """(batch, idx, score, reward) of a generated batch: rule scores, and rewards after shaping."""
     score = ppo.scores(source, idx, batch)
     return batch, idx, score, score + ppo.reward_shaping(cfg, batch)
+
+
+def _generate(cfg, engine, source, prompts: list[int], seed: int, experts):
+    idx = [i for i in prompts for _ in range(cfg.rollout.n)]
+    return scored(cfg, source, idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed), experts))
 
 
 def round_size(cfg: C.Config, step_prompts: int) -> int:
