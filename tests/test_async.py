@@ -2,13 +2,15 @@
 the gloo update group. one_step_off: the tiny task still learns, every step after the first trains
 on samples exactly one version old (from metrics.jsonl), and the engine really lags the trainer.
 fully_async: the tiny task learns within the staleness bound, a killed engine is a one-line error
-and the run resumes from its checkpoint training each step's own prompts once; a partial rollout
+and the run resumes from its checkpoint training each step's own prompts once, an engine killed
+during a weight sync fails the sync within seconds; a partial rollout
 that a weight sync splits keeps tokens, log-probs, mask and versions aligned token for token, no
 sample past trainer.max_staleness is trained on, and dynamic sampling takes its rounds from the
 buffer. Staleness is per sample, from its oldest token."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mcore_rl.async_loop import staleness_metrics
@@ -45,66 +47,6 @@ def test_one_step_off_learns_one_version_behind(tmp_path):
     gaps = [steps[k]["rollout/logp_diff_abs_mean"] for k in trained]
     assert gaps[0] < 1e-3 and min(gaps[1:]) > 1e-3, gaps
     assert all("rollout_corr/rollout_is_mean" in steps[k] for k in trained), sorted(steps[2])
-
-
-def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_regenerated(tmp_path):
-    """Responses generated a token at a time; the trainer's weights move and are synced while they
-    are in flight. The engine's log-prob of each token equals the trainer's exactly where the token
-    records the trainer's version: tokens, log-probs, mask and versions line up token for token."""
-    import copy
-
-    from mcore_rl.async_loop import FullyAsync
-    from mcore_rl.dynamic_sampling import refill_order
-    from mcore_rl.train import step_prompts
-    from tests.sync_checks import perturb, started_run
-
-    overrides = (*BROADCAST, "trainer.mode=fully_async", "trainer.partial_rollout_tokens=1", "trainer.max_staleness=2",
-                 "rollout.max_response_len=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
-                 "actor.micro_batch_size=16")
-    with started_run(str(tmp_path), overrides) as (cfg, group, engine, sync, source):
-        sync(0)
-        group.call("run", perturb, 1.05)  # the trainer's version 1, before the worker races ahead
-        run = FullyAsync(cfg, engine, sync, source, lambda k: step_prompts(cfg, source, k), start=0)
-        try:
-            w = run.worker
-            with w.cond:  # the first piece is in: step 1's responses in flight have a token of version 0
-                while not any(s.tokens and not s.finished for (step, _), g in w.in_flight.items() if step == 1
-                              for s in g):
-                    w.raise_if_failed()
-                    w.cond.wait(timeout=1.0)
-            run.sync(1)  # version 1 continues them
-            batch, _, _, _, metrics = run.step_batch(2)  # step 1's groups, trained by version 1
-            ours = torch.cat(group.call("log_probs", batch))
-            # step 2's groups, no sync: trained by version 3, where a group with a version-0 token is 3 versions old
-            later = run.step_batch(4)
-        finally:
-            run.shutdown()
-        # DAPO's dynamic sampling through the same buffer: refill rounds requested as the step needs them
-        dynamic = copy.deepcopy(cfg)
-        dynamic.algorithm.filter_groups.enable = True
-        run = FullyAsync(dynamic, engine, sync, source, lambda k: step_prompts(cfg, source, k), start=4)
-        try:
-            filtered = run.step_batch(5)
-        finally:
-            run.shutdown()
-    mask, versions = batch["response_mask"].bool(), batch["token_versions"]
-    gap = (ours - batch["rollout_log_probs"]).abs()
-    assert mask.any(1).all() and (mask.long().cummin(1).values == mask.long()).all()  # responses are prefixes
-    assert (versions[~mask] == 0).all() and (batch["rollout_log_probs"][~mask] == 0).all()
-    assert (versions.diff(dim=1)[mask[:, 1:]] >= 0).all()  # a response's versions never go back
-    assert metrics["async/partial_fraction"] > 0 and metrics["async/staleness_max"] == 1
-    assert (gap[mask & (versions == 1)] < 1e-3).all(), gap[mask & (versions == 1)].max()
-    assert gap[mask & (versions == 0)].mean() > 1e-2
-    batch3, metrics3 = later[0], later[4]
-    assert metrics3["async/regenerated_groups"] > 0 and metrics3["async/staleness_max"] == 2
-    assert (batch3["token_versions"][batch3["response_mask"].bool()] == 1).all()
-    # 4 groups whose rewards vary, the first ones of step 5's prompts and refills in their order
-    _, idx, _, reward, metrics = filtered
-    order = refill_order(len(source.prompts), step_prompts(cfg, source, 5), cfg.trainer.seed * 100003 + 5)
-    places = [order.index(i) for i in idx[::8]]
-    assert len(idx) == 32 and (reward.reshape(4, 8).amax(1) > reward.reshape(4, 8).amin(1)).all()
-    assert places == sorted(set(places)) and places[-1] < 4 * metrics["train/num_gen_batches"], places
-    assert 0 < metrics["train/kept_group_fraction"] <= 1
 
 
 def test_fully_async_learns_and_a_killed_engine_resumes_training_each_steps_prompts_once(tmp_path):
@@ -171,3 +113,112 @@ def test_fully_async_learns_and_a_killed_engine_resumes_training_each_steps_prom
     for k in range(1, 31):
         dumped = torch.load(dump / f"step_{k}.pt", weights_only=True)["index"]
         assert dumped.tolist() == [i for i in step_prompts(cfg, source, k) for _ in range(8)], k
+
+
+@pytest.fixture(scope="module")
+def fully_async_run(tmp_path_factory):
+    """A run's pieces (tests.sync_checks.started_run) for fully_async into an engine of its own,
+    responses a token a piece. The last test here kills its engine."""
+    from tests.sync_checks import started_run
+
+    overrides = (*BROADCAST, "trainer.mode=fully_async", "trainer.partial_rollout_tokens=1", "trainer.max_staleness=2",
+                 "rollout.max_response_len=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+                 "actor.micro_batch_size=16")
+    with started_run(str(tmp_path_factory.mktemp("fully_async")), overrides) as parts:
+        yield parts
+
+
+def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_regenerated(fully_async_run):
+    """Responses generated a token at a time; the trainer's weights move and are synced while they
+    are in flight. The engine's log-prob of each token equals the trainer's exactly where the token
+    records the trainer's version: tokens, log-probs, mask and versions line up token for token."""
+    import copy
+
+    from mcore_rl.async_loop import FullyAsync
+    from mcore_rl.dynamic_sampling import refill_order
+    from mcore_rl.train import step_prompts
+    from tests.sync_checks import perturb
+
+    cfg, group, engine, sync, source = fully_async_run
+    sync(0)
+    group.call("run", perturb, 1.05)  # the trainer's version 1, before the worker races ahead
+    run = FullyAsync(cfg, engine, sync, source, lambda k: step_prompts(cfg, source, k), start=0)
+    try:
+        w = run.worker
+        with w.cond:  # the first piece is in: step 1's responses in flight have a token of version 0
+            while not any(s.tokens and not s.finished for (step, _), g in w.in_flight.items() if step == 1
+                          for s in g):
+                w.raise_if_failed()
+                w.cond.wait(timeout=1.0)
+        run.sync(1)  # version 1 continues them
+        batch, _, _, _, metrics = run.step_batch(2)  # step 1's groups, trained by version 1
+        ours = torch.cat(group.call("log_probs", batch))
+        # step 2's groups, no sync: trained by version 3, where a group with a version-0 token is 3 versions old
+        later = run.step_batch(4)
+    finally:
+        run.shutdown()
+    # DAPO's dynamic sampling through the same buffer: refill rounds requested as the step needs them
+    dynamic = copy.deepcopy(cfg)
+    dynamic.algorithm.filter_groups.enable = True
+    run = FullyAsync(dynamic, engine, sync, source, lambda k: step_prompts(cfg, source, k), start=4)
+    try:
+        filtered = run.step_batch(5)
+    finally:
+        run.shutdown()
+    mask, versions = batch["response_mask"].bool(), batch["token_versions"]
+    gap = (ours - batch["rollout_log_probs"]).abs()
+    assert mask.any(1).all() and (mask.long().cummin(1).values == mask.long()).all()  # responses are prefixes
+    assert (versions[~mask] == 0).all() and (batch["rollout_log_probs"][~mask] == 0).all()
+    assert (versions.diff(dim=1)[mask[:, 1:]] >= 0).all()  # a response's versions never go back
+    assert metrics["async/partial_fraction"] > 0 and metrics["async/staleness_max"] == 1
+    assert (gap[mask & (versions == 1)] < 1e-3).all(), gap[mask & (versions == 1)].max()
+    assert gap[mask & (versions == 0)].mean() > 1e-2
+    batch3, metrics3 = later[0], later[4]
+    assert metrics3["async/regenerated_groups"] > 0 and metrics3["async/staleness_max"] == 2
+    assert (batch3["token_versions"][batch3["response_mask"].bool()] == 1).all()
+    # 4 groups whose rewards vary, the first ones of step 5's prompts and refills in their order
+    _, idx, _, reward, metrics = filtered
+    order = refill_order(len(source.prompts), step_prompts(cfg, source, 5), cfg.trainer.seed * 100003 + 5)
+    places = [order.index(i) for i in idx[::8]]
+    assert len(idx) == 32 and (reward.reshape(4, 8).amax(1) > reward.reshape(4, 8).amin(1)).all()
+    assert places == sorted(set(places)) and places[-1] < 4 * metrics["train/num_gen_batches"], places
+    assert 0 < metrics["train/kept_group_fraction"] <= 1
+
+
+def test_an_engine_killed_during_a_weight_sync_is_an_error_long_before_the_deadline(fully_async_run):
+    """The engine's scheduler is stopped and a weight sync starts: the trainer's broadcast waits on
+    it. The scheduler is then killed: the sync fails within seconds naming the engine and the call
+    it died in (SGLang's watchdog ends the engine, the broadcast gives up on the failed engine
+    call), far inside rollout.timeout_s; nothing hangs. Last in the module: it ends the engine."""
+    import signal
+    import threading
+    import time
+
+    from tests.rollout_checks import engine_processes
+
+    cfg, group, engine, sync, source = fully_async_run
+    procs = engine_processes(engine)
+    schedulers = [p for p in procs if "scheduler" in " ".join([p.name(), *p.cmdline()])]
+    assert schedulers, [p.cmdline() for p in procs]
+    outcome: list[str] = []
+
+    def run():
+        try:
+            sync(7)
+            outcome.append("no error")
+        except Exception as e:  # noqa: BLE001 - Ray wraps the trainer's EngineError
+            outcome.append(str(e))
+
+    for p in schedulers:
+        p.send_signal(signal.SIGSTOP)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(2.0)
+    assert thread.is_alive() and not outcome, outcome  # waiting on the stopped engine, mid-sync
+    t0 = time.monotonic()
+    for p in schedulers:
+        p.kill()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the weight sync hung on a dead engine"
+    assert time.monotonic() - t0 < 30 < cfg.rollout.timeout_s
+    assert "SGLang engine 0 node 0 died during update_weights_from_distributed" in outcome[0], outcome
