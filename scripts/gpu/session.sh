@@ -74,6 +74,15 @@ PY
                 --out "$OUT/loop_${LAYERS:-4}L${TAG:-}.json" ${NO_ALONE:+--no-engine-alone} \
                 cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers="${LAYERS:-4}" \
                 trainer.total_training_steps="${STEPS:-3}" "${EXTRA[@]}" 2>&1 | quiet | tail -60 ;;
+    async2gpu)  # issue 26 on two GPUs (nvidia-h100-x2): the trainer on one, SGLang on the other, samples/s per
+      # mode. Random weights sample near-uniformly, so 1,800 extra stop ids (1.1 % of the vocab) give
+      # geometric response lengths: median about 63 tokens, one in 256 past 8x that (cap 512).
+      STOPS=$(python3 -c 'print(",".join(map(str, range(1000, 2800))))')
+      timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
+        --out "$OUT/modes_2gpu${TAG:-}.json" --modes "${MODES:-sync,one_step_off,fully_async}" \
+        cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 parallel.ep=1 rollout.tp_size=1 \
+        "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 \
+        trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
     driver_cuda)  # does the driver's memory plan start a CUDA context (it holds GPU memory all run)?
       python3 -c "import torch; from mcore_rl import config as C; from mcore_rl.plan import plan_for_config
 cfg = C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1', 'rollout.tp_size=1'])
