@@ -53,6 +53,7 @@ def _exact_storage(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         return t
     memory = (ctypes.c_byte * nbytes).from_address(t.data_ptr())
+    memory.owner = t  # the new tensor keeps `memory`, and so t's storage, alive (from_address owns nothing)
     return torch.frombuffer(memory, dtype=t.dtype).view(t.shape)
 
 

@@ -177,6 +177,26 @@ def _save_peak(rank, root):
         json.dump(out, f)
 
 
+def test_a_tensor_written_under_an_exact_storage_keeps_its_memory_alive():
+    """The save hands megatron a view of a larger storage under a storage of exactly its bytes, over
+    the same memory: that tensor must keep the memory alive when nothing else does (a factory's
+    temporary), or the writer would read freed memory."""
+    import gc
+    import weakref
+
+    from mcore_rl.checkpoint import _exact_storage
+
+    base = torch.arange(1 << 20, dtype=torch.float32)
+    view = base[8:1 << 19]
+    exact = _exact_storage(view)
+    assert exact.untyped_storage().nbytes() == view.numel() * 4 and exact.data_ptr() == view.data_ptr()
+    alive = weakref.ref(base)
+    del base, view
+    gc.collect()
+    assert alive() is not None, "the memory under the written tensor was freed"
+    assert torch.equal(exact[:4], torch.tensor([8.0, 9.0, 10.0, 11.0]))
+
+
 def test_a_save_stages_no_copy_of_the_state(tmp_path):
     distributed.run(_save_peak, 1, str(tmp_path))
     with open(tmp_path / "save_peak.json") as f:
