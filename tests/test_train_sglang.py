@@ -17,6 +17,15 @@ from tests.sync_checks import (BROADCAST, DISK, GLM4_MOE_TINY, QWEN3_MOE_TINY, c
                                check_a_skipped_sync_fails, check_verified_grpo_steps, logp_gap, started_run)
 
 
+# first, before the module's engine fixture starts: with its engines alive on the same 2 cores,
+# these runs took 2-3x their time alone in CI
+@pytest.mark.parametrize("overrides", [(*BROADCAST, *GLM4_MOE_TINY), (*DISK, *QWEN3_MOE_TINY)],
+                         ids=["broadcast-glm4_moe", "disk-qwen3_moe"])
+def test_other_transports_verify_every_sync_of_a_grpo_run_that_learns(tmp_path, overrides):
+    """Also issue 27's GRPO run of each new family in SGLang's engine, learning."""
+    check_verified_grpo_steps(str(tmp_path / "run"), *overrides, steps=30)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     with started_run(str(tmp_path_factory.mktemp("sync_run"))) as parts:
@@ -35,10 +44,3 @@ def test_a_corrupted_tensor_fails_the_readback(run):
 
 def test_a_skipped_sync_fails_the_readback_and_the_logprob_match(run):
     check_a_skipped_sync_fails(run, "differs from the trainer's weights")
-
-
-@pytest.mark.parametrize("overrides", [(*BROADCAST, *GLM4_MOE_TINY), (*DISK, *QWEN3_MOE_TINY)],
-                         ids=["broadcast-glm4_moe", "disk-qwen3_moe"])
-def test_other_transports_verify_every_sync_of_a_grpo_run_that_learns(tmp_path, overrides):
-    """Also issue 27's GRPO run of each new family in SGLang's engine, learning."""
-    check_verified_grpo_steps(str(tmp_path / "run"), *overrides, steps=30)
