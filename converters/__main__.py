@@ -1,12 +1,17 @@
 """`python -m converters {hf-to-mcore,mcore-to-hf} ...`"""
 
+import sys
+
 from converters.cli import main
-from mcore_rl.parallel import destroy
 
 try:
     code = main()
 finally:
     # gloo's worker threads are joined here, not in the interpreter's teardown, where a group still
     # alive ended the process with "terminate called without an active exception" (SIGABRT, CI)
-    destroy()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from mcore_rl.parallel import destroy
+
+        destroy()
 raise SystemExit(code)
