@@ -34,7 +34,9 @@ def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed
     generate(prompts, seed) -> (batch, idx, score, reward) of one round; default: on `engine`."""
     if generate is None:
         experts = expert_layout(cfg)  # once: every round's routes have it
-        generate = lambda prompts, round_seed: _generate(cfg, engine, source, prompts, round_seed, experts)  # noqa: E731
+
+        def generate(prompts: list[int], round_seed: int):
+            return _generate(cfg, engine, source, prompts, round_seed, experts)
     if cfg.algorithm.filter_groups.enable:
         batch, idx, score, reward, metrics = _filtered(cfg, generate, len(source.prompts), prompt_idx, seed)
     else:
