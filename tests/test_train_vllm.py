@@ -30,8 +30,8 @@ def test_tiny_grpo_learns_with_vllm(tmp_path):
     assert all(steps[k]["sync/verified"] == 1.0 for k in range(0, 31))
 
 
-# first, before the module's engine fixture starts: with its engines alive on the same 2 cores,
-# these runs took 2-3x their time alone in CI
+# first, before the module's engine fixture starts: its engines, alive on the same 2 cores, slowed
+# these runs (CI: 152 s for the two; 123 s with the fixture not yet started)
 @pytest.mark.parametrize("overrides", [BROADCAST, DISK], ids=["broadcast", "disk"])
 def test_other_transports_run_verified_grpo_steps(tmp_path, overrides):
     check_verified_grpo_steps(str(tmp_path / "run"), *VLLM_TINY, *overrides)
