@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -143,6 +144,7 @@ def compare_modes(config: str, overrides: list[str], modes: list[str], out: str)
         args = [*MODE_ARGS[mode], *overrides]
         cfg = C.load_config(config, args)
         steps, _ = run_loop(config, args, os.path.join(work, mode))
+        shutil.rmtree(os.path.join(work, mode), ignore_errors=True)  # its checkpoints: the next mode needs the disk
         trained = [s for k, s in sorted(steps.items()) if k >= 1 and "reward/mean" in s]
         later = trained[1:]  # step 1 warms up
         samples = len(later) * cfg.data.train_batch_size * cfg.rollout.n
@@ -198,6 +200,7 @@ def main() -> int:
     sync_s, sync_b = med("sync/seconds"), med("sync/bytes")
     alone = None if a.no_engine_alone else engine_alone(cfg, os.path.join(work, "run", "engine_hf"), B,
                                                         int(round(prompt)), cfg.rollout.max_response_len)
+    shutil.rmtree(work, ignore_errors=True)  # checkpoints of tens of GB: a later run needs the disk
     # max over steps 2..N of the steps that logged it (the checkpoint only runs on save steps); None: never
     memory_max = {m: max((s[m] for s in timed if s.get(m) is not None), default=None) for m in MEMORY}
     planned = {}

@@ -287,6 +287,7 @@ class TrainerConfig(Section):
     total_epochs: int = Field(1, ge=1)
     total_training_steps: int | None = Field(None, ge=1, description="overrides epochs * steps per epoch")
     save_freq: int = Field(-1, description="steps; -1 never")
+    save_last: bool = Field(True, description="the last step saves too, whatever save_freq says")
     test_freq: int = -1
     val_before_train: bool = True
     resume: Literal["auto", "disable"] = Field("auto", description="disable: refused where output_dir holds a run")

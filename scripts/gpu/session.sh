@@ -35,7 +35,9 @@ read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; done > "$OUT/proc_mem.log" 2>&1) &
 SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null' EXIT
+{ date; df -h /tmp /dev/shm; free -g; } > "$OUT/machine.log" 2>&1
 for part in "$@"; do
+  rm -rf /tmp/rl_loop_bench_* /tmp/rl_loop_modes_*  # a failed bench's checkpoints (tens of GB) stay otherwise
   case $part in
     colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 actor.micro_batch_size=64 trainer.total_training_steps=20 ;;
     separate) train separate cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 trainer.total_training_steps=20 ;;
@@ -70,7 +72,7 @@ for name, x in (("PinnedBuffer", b.tensor), ("pin_memory", t)):
     print(name, "read in a forked child: exit status", os.waitpid(pid, 0)[1], flush=True)
 PY
       ;;
-    loop1gpu) timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
+    loop1gpu) timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
                 --out "$OUT/loop_${LAYERS:-4}L${TAG:-}.json" ${NO_ALONE:+--no-engine-alone} \
                 cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers="${LAYERS:-4}" \
                 trainer.total_training_steps="${STEPS:-3}" "${EXTRA[@]}" 2>&1 | quiet | tail -60 ;;
