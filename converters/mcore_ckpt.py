@@ -47,6 +47,7 @@ def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
+    from mcore_rl import compat
     from mcore_rl.models import build_model, transformer_config
     from mcore_rl.models.builder import sharded_state_dict
     from mcore_rl.parallel import Layout, init_distributed
@@ -55,8 +56,9 @@ def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
     if dist.get_world_size() != 1:
         raise RuntimeError("skeleton() builds an unsharded model and must run in one process")
     if not ps.model_parallel_is_initialized():
-        init_distributed(Layout())
-    with torch.device("meta"):
+        # unseeded: seeding reads the CUDA RNG, and the planner's driver would hold a CUDA context all run
+        init_distributed(Layout(), seed=None)
+    with torch.device("meta"), compat.cuda_untouched():
         model = build_model(hf, transformer_config(hf, dtype=dtype, cpu=True, sequence_parallel=False,
                                                    perform_initialization=False),
                             pre_process=True, post_process=True)

@@ -7,6 +7,7 @@ before a model is built (`mcore_rl.models.build_model` calls it).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import importlib
@@ -77,6 +78,43 @@ def _redirect_cuda_device(*modules: str) -> Callable[[], None]:
             importlib.import_module(name).torch = _CpuTorch("torch")
 
     return fn
+
+
+# megatron modules that call torch.cuda (current_device, synchronize) or allocate on "cuda" even with
+# use_cpu_initialization
+CUDA_CALLERS = tuple(f"megatron.core.{m}" for m in (
+    "models.common.embeddings.rotary_pos_embedding",
+    "models.common.embeddings.yarn_rotary_pos_embedding",
+    "models.gpt.gpt_model",
+    "tensor_parallel.mappings", "tensor_parallel.layers", "tensor_parallel.utils",
+    "tensor_parallel.data", "utils",
+    "transformer.module", "transformer.transformer_layer", "transformer.attention",
+    "transformer.moe.router", "transformer.moe.moe_layer", "transformer.moe.experts",
+    "transformer.moe.token_dispatcher", "transformer.moe.moe_utils",
+    "pipeline_parallel.p2p_communication",
+    "distributed.distributed_data_parallel", "distributed.param_and_grad_buffer",
+    "optimizer.optimizer", "optimizer.distrib_optimizer", "optimizer.clip_grads",
+    "pipeline_parallel.schedules",
+    "dist_checkpointing.strategies.filesystem_async",
+    "dist_checkpointing.strategies.state_dict_saver",
+))
+
+
+@contextlib.contextmanager
+def cuda_untouched(modules: tuple[str, ...] = CUDA_CALLERS):
+    """Within: `modules` see the CPU as their torch.cuda, so a meta-device build (the planner's and
+    converter's skeleton) opens no CUDA context on a GPU host. RoPE and the router ask
+    torch.cuda.current_device() (MLA's RoPE ignores use_cpu_initialization): 0.6 GiB held all run."""
+    apply()  # first: what is restored below must include the CPU patches a build inside would apply
+    mods = [importlib.import_module(m) for m in modules]
+    saved = [m.torch for m in mods]
+    for m in mods:
+        m.torch = _CpuTorch("torch")
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, saved):
+            m.torch = t
 
 
 def _mla_no_te():
@@ -340,22 +378,8 @@ PATCHES = (
     Patch("moe_gemm_no_te", "moe_utils calls te_general_gemm, undefined when TE is absent",
           _moe_gemm_no_te),
     Patch("cpu_device", "rope, router, GPT buffers and the checkpoint writer call torch.cuda "
-          "(current_device, synchronize) even with use_cpu_initialization", _redirect_cuda_device(*(f"megatron.core.{m}" for m in (
-              "models.common.embeddings.rotary_pos_embedding",
-              "models.common.embeddings.yarn_rotary_pos_embedding",
-              "models.gpt.gpt_model",
-              "tensor_parallel.mappings", "tensor_parallel.layers", "tensor_parallel.utils",
-              "tensor_parallel.data", "utils",
-              "transformer.module", "transformer.transformer_layer", "transformer.attention",
-              "transformer.moe.router", "transformer.moe.moe_layer", "transformer.moe.experts",
-              "transformer.moe.token_dispatcher", "transformer.moe.moe_utils",
-              "pipeline_parallel.p2p_communication",
-              "distributed.distributed_data_parallel", "distributed.param_and_grad_buffer",
-              "optimizer.optimizer", "optimizer.distrib_optimizer", "optimizer.clip_grads",
-              "pipeline_parallel.schedules",
-              "dist_checkpointing.strategies.filesystem_async",
-              "dist_checkpointing.strategies.state_dict_saver",
-          ))), cpu_only=True),
+          "(current_device, synchronize) even with use_cpu_initialization", _redirect_cuda_device(*CUDA_CALLERS),
+          cpu_only=True),
     Patch("cpu_rng", "model_parallel_cuda_manual_seed asserts CUDA", _rng_tracker_cpu,
           cpu_only=True),
     Patch("cpu_tied_embeddings", "tied embeddings are moved to CUDA to be all-reduced between the "

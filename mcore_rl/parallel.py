@@ -75,8 +75,9 @@ def rendezvous_on(pg, bundle: int) -> tuple[str, int]:
 
 def init_distributed(layout: Layout = Layout(), *, rank: int | None = None,
                      world_size: int | None = None, init_method: str | None = None,
-                     backend: str | None = None, seed: int = 1234) -> None:
-    """Initialise torch.distributed (if needed) and megatron's parallel state for `layout`."""
+                     backend: str | None = None, seed: int | None = 1234) -> None:
+    """Initialise torch.distributed (if needed) and megatron's parallel state for `layout`, and seed
+    megatron's CUDA RNG tracker (seed None: not seeded; seeding opens a CUDA context on a GPU host)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -97,7 +98,8 @@ def init_distributed(layout: Layout = Layout(), *, rank: int | None = None,
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    if seed is not None:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def destroy() -> None:

@@ -435,3 +435,24 @@ def test_a_gpu_run_whose_plan_cannot_fit_stops_before_anything_starts(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "memory plan refused: phase" in r.stderr and "OVER" in r.stdout
     assert "actor ranks" not in r.stdout and not (out / "metrics.jsonl").exists()  # no actor, no step
+
+
+def test_planning_a_gpu_run_opens_no_cuda_context():
+    """The driver plans every run; on a GPU host a CUDA context there held 0.6 GiB of GPU 0 all run
+    (megatron's RNG seeding, RoPE and router asked for the current CUDA device). A fresh process
+    that believes CUDA is present, and fails on any CUDA initialisation, plans the Moonlight run."""
+    code = """
+import torch, torch.cuda.random
+def opened(*a, **k):
+    raise SystemExit("CUDA initialised by the plan")
+torch.cuda.is_available = lambda: True
+torch.cuda._lazy_init = torch.cuda.random._lazy_init = opened
+from mcore_rl import config as C
+from mcore_rl.train import memory_plan
+memory_plan(C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1',
+                                                             'rollout.tp_size=1']))
+print('planned')
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, TORCHDYNAMO_DISABLE="1"))
+    assert r.returncode == 0 and "planned" in r.stdout, r.stderr[-2000:]
