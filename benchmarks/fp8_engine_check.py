@@ -11,7 +11,10 @@ bf16 engine samples responses; every engine then scores the same prompt + respon
 (teacher-forced input log-probs). Mean |delta log-prob| over the response tokens, pairwise:
 - fp8 vs bf16: all of FP8 rollout's gap (what the loop's `rollout/logp_diff_abs_mean` adds);
 - dequantized vs bf16: the weights' rounding alone, in bf16 kernels;
-- fp8 vs dequantized: the same weights, FP8 kernels (activations quantized per 128-group) against bf16.
+- fp8 vs dequantized: the same weights, FP8 kernels (activations quantized per 128-group) against bf16;
+- fp8 synced vs fp8: an FP8 engine started on dummy weights and given the checkpoint's tensors by
+  update_weights_from_tensor (the loop's path) against SGLang's loader of the same files: 0 if the
+  engine's post-load steps (MLA's w_kc/w_vc from kv_b_proj, the FP8 layers' own) follow an update.
 Prints a table; writes JSON.
 """
 
@@ -73,12 +76,29 @@ def write_models(hf_config: dict, work: str, seed: int) -> dict[str, str]:
             for k, d in raw.items()}
 
 
-def engine(model_dir: str, attention_backend: str):
+def engine(model_dir: str, attention_backend: str, **extra):
     import sglang
 
     return sglang.Engine(model_path=model_dir, skip_tokenizer_init=True, trust_remote_code=False, dtype="bfloat16",
                          attention_backend=attention_backend, disable_cuda_graph=True, mem_fraction_static=0.5,
-                         disable_shared_experts_fusion=True, random_seed=1, log_level="error")
+                         disable_shared_experts_fusion=True, random_seed=1, log_level="error", **extra)
+
+
+def update_from_files(eng, model_dir: str, bucket_bytes: int = 512 << 20) -> None:
+    """The loop's path into an FP8 engine: started on dummy weights, then every tensor (e4m3 weights
+    and their scales) by update_weights_from_tensor, bucket by bucket, from GPU memory."""
+    from safetensors.torch import load_file
+
+    bucket, size = [], 0
+    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        for name, t in load_file(f, device="cuda").items():
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                eng.update_weights_from_tensor(bucket)
+                bucket, size = [], 0
+    if bucket:
+        eng.update_weights_from_tensor(bucket)
 
 
 def scores(eng, seqs: list[list[int]]) -> list[list[float]]:
@@ -113,9 +133,11 @@ def main() -> int:
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(a.prompt_len)] for _ in range(a.seqs)]
     logps, seqs = {}, None
-    for kind in ("bf16", "fp8", "dequantized"):
-        eng = engine(dirs[kind], backend)
+    for kind in ("bf16", "fp8", "dequantized", "fp8 synced"):
+        eng = engine(dirs[kind.split()[0]], backend, **({"load_format": "dummy"} if kind == "fp8 synced" else {}))
         try:
+            if kind == "fp8 synced":
+                update_from_files(eng, dirs["fp8"])
             if seqs is None:  # responses sampled by the bf16 engine, as a rollout's are by its policy
                 out = eng.generate(input_ids=prompts, sampling_params={
                     "max_new_tokens": a.new_tokens, "temperature": 1.0, "ignore_eos": True})
@@ -130,7 +152,7 @@ def main() -> int:
         return {"mean": statistics.fmean(d), "median": statistics.median(d), "max": max(d)}
 
     pairs = {"fp8 vs bf16": gap("fp8", "bf16"), "dequantized vs bf16": gap("dequantized", "bf16"),
-             "fp8 vs dequantized": gap("fp8", "dequantized")}
+             "fp8 vs dequantized": gap("fp8", "dequantized"), "fp8 synced vs fp8": gap("fp8 synced", "fp8")}
     mean_logp = statistics.fmean(v for s in logps["bf16"] for v in s[resp])
     write_json({"config": a.config, "hf_config": hf_config, "seqs": a.seqs, "new_tokens": a.new_tokens,
                 "attention_backend": backend, "bf16_mean_response_logp": mean_logp, "gaps": pairs,
