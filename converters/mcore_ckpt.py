@@ -44,13 +44,15 @@ def _ensure_single_process_group():
 
 def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
     """Megatron's sharded state dict for `hf` on the meta device, plus our Entry per parameter."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
     from mcore_rl import compat
-    from mcore_rl.models import build_model, transformer_config
-    from mcore_rl.models.builder import sharded_state_dict
-    from mcore_rl.parallel import Layout, init_distributed
+
+    with compat.without_module("flashinfer"):  # imported by megatron's models: a CUDA context
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        from mcore_rl.models import build_model, transformer_config
+        from mcore_rl.models.builder import sharded_state_dict
+        from mcore_rl.parallel import Layout, init_distributed
 
     _ensure_single_process_group()
     if dist.get_world_size() != 1:

@@ -13,6 +13,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 import types
 import warnings
 from dataclasses import dataclass
@@ -101,20 +102,38 @@ CUDA_CALLERS = tuple(f"megatron.core.{m}" for m in (
 
 
 @contextlib.contextmanager
-def cuda_untouched(modules: tuple[str, ...] = CUDA_CALLERS):
-    """Within: `modules` see the CPU as their torch.cuda, so a meta-device build (the planner's and
-    converter's skeleton) opens no CUDA context on a GPU host. RoPE and the router ask
-    torch.cuda.current_device() (MLA's RoPE ignores use_cpu_initialization): 0.6 GiB held all run."""
-    apply()  # first: what is restored below must include the CPU patches a build inside would apply
-    mods = [importlib.import_module(m) for m in modules]
-    saved = [m.torch for m in mods]
-    for m in mods:
-        m.torch = _CpuTorch("torch")
+def without_module(name: str):
+    """Within: `import name` raises ImportError unless it is imported already. megatron's models
+    import flashinfer when present, and flashinfer's import opens a CUDA context (it asks the device's
+    compute capability): a process that only plans (the driver) must not import it."""
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = None
     try:
         yield
     finally:
-        for m, t in zip(mods, saved):
-            m.torch = t
+        if sys.modules.get(name, 0) is None:
+            del sys.modules[name]
+
+
+@contextlib.contextmanager
+def cuda_untouched(modules: tuple[str, ...] = CUDA_CALLERS):
+    """Within: `modules` see the CPU as their torch.cuda, so a meta-device build (the planner's and
+    converter's skeleton) opens no CUDA context on a GPU host. RoPE and the router ask
+    torch.cuda.current_device() (MLA's RoPE ignores use_cpu_initialization), and flashinfer is not
+    imported: 0.6 GiB held all run otherwise."""
+    with without_module("flashinfer"):
+        apply()  # first: what is restored below must include the CPU patches a build inside would apply
+        mods = [importlib.import_module(m) for m in modules]
+        saved = [m.torch for m in mods]
+        for m in mods:
+            m.torch = _CpuTorch("torch")
+        try:
+            yield
+        finally:
+            for m, t in zip(mods, saved):
+                m.torch = t
 
 
 def _mla_no_te():

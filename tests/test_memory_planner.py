@@ -439,14 +439,21 @@ def test_a_gpu_run_whose_plan_cannot_fit_stops_before_anything_starts(tmp_path):
 
 def test_planning_a_gpu_run_opens_no_cuda_context():
     """The driver plans every run; on a GPU host a CUDA context there held 0.6 GiB of GPU 0 all run
-    (megatron's RNG seeding, RoPE and router asked for the current CUDA device). A fresh process
-    that believes CUDA is present, and fails on any CUDA initialisation, plans the Moonlight run."""
+    (megatron's RNG seeding, RoPE and router asked for the current CUDA device, and its models import
+    flashinfer, whose import asks the device). A fresh process that believes CUDA is present, and
+    fails on any CUDA initialisation or flashinfer import, plans the Moonlight run."""
     code = """
 import torch, torch.cuda.random
 def opened(*a, **k):
     raise SystemExit("CUDA initialised by the plan")
 torch.cuda.is_available = lambda: True
 torch.cuda._lazy_init = torch.cuda.random._lazy_init = opened
+class Flashinfer:  # its import asks the GPU's compute capability: a CUDA context
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "flashinfer":
+            raise SystemExit("flashinfer imported by the plan")
+import sys
+sys.meta_path.insert(0, Flashinfer())
 from mcore_rl import config as C
 from mcore_rl.train import memory_plan
 memory_plan(C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1',
