@@ -225,14 +225,14 @@ def main() -> int:
                   memory_per_step={k: {m: s.get(m) for m in MEMORY} for k, s in sorted(steps.items()) if k >= 1},
                   memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}))
     write_json(result, a.out)
-    print(f"{'phase':<28}{'median s':>10}")
+    print(f"{'phase':<28}{'median s':>14}")
     for k, v in result["phases_s"].items():
-        print(f"{k:<28}{v if v is None else round(v, 3):>10}")
+        print(f"{k:<28}{'not measured' if v is None else round(v, 3):>14}")
     for k in ("step_s", "rollout_tokens_per_s", "engine_alone_tokens_per_s", "sync_s", "sync_gb_per_s",
               "update_tflops_per_gpu", "update_pct_of_790", "logp_diff_abs_mean", "token_mult_prob_error",
               "route_agreement"):
         v = result[k]
-        print(f"{k:<28}{v if v is None else round(v, 4):>10}")
+        print(f"{k:<28}{'not measured' if v is None else round(v, 4):>14}")
     print(f"\n{'memory, max of steps 2..N':<32}{'measured':>14}{'planned GiB':>14}")
     for m in MEMORY:
         v, ph = memory_max[m], m.rsplit("_", 1)[-1]

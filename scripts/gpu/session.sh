@@ -25,8 +25,8 @@ print(sys.argv[2], "steps", len(tr), "reward first3", round(sum(s["reward/mean"]
       "last3", round(sum(s["reward/mean"] for s in tr[-3:]) / 3, 3), "first sync", steps[0].get("sync/verified"),
       "logp diff max", round(max(s["rollout/logp_diff_abs_mean"] for s in tr), 5), "median step", m("timing/step"),
       "rollout", m("timing/rollout"), "sync", m("sync/seconds"), "to_rollout", m("timing/to_rollout"),
-      "NVML GiB max train/rollout", [round(max(s.get(f"memory/gpu_used_gib_{p}", 0) for s in tr), 2)
-                                     for p in ("train", "rollout")])
+      "NVML GiB max train/sync/rollout", [round(max(s.get(f"memory/gpu_peak_gib_{p}") or 0 for s in tr), 2)
+                                          for p in ("train", "sync", "rollout")])
 PY
 }
 read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
