@@ -74,6 +74,12 @@ def latest(root: str, warn=lambda msg: print(msg, file=sys.stderr, flush=True)) 
     return None
 
 
+def saves_at(step: int, total: int, save_freq: int, save_last: bool = True) -> bool:
+    """Whether step `step` of `total` writes a checkpoint: every save_freq steps (-1 never), and the
+    last step unless save_last is off (verl's rule: save_freq alone)."""
+    return save_freq > 0 and step % save_freq == 0 or (step == total and save_last)
+
+
 def read_state(step_dir: str) -> dict:
     with open(os.path.join(step_dir, TRAINER_STATE)) as f:
         return json.load(f)

@@ -369,7 +369,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         ckpt.finish()  # a background save of the step before is complete once this step has trained
         logger.log(metrics, step=step)  # before the checkpoint: a resumed run never lacks a saved step
         save = None
-        if t.save_freq > 0 and step % t.save_freq == 0 or step == total and t.save_last:
+        if run_ckpt.saves_at(step, total, t.save_freq, t.save_last):
             saved = {"kl_coef": kl_ctrl.value} if kl_ctrl else {}
             save = lambda s=step, st=saved: _timed_save(ckpt, phases.mon, s, st)  # noqa: E731
         t0 = time.perf_counter()

@@ -392,3 +392,16 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_writing(base, tmp_path, m
     with pytest.raises(rc.CheckpointError, match="a checkpoint needs about .* GiB and 0.0 GiB are free"):
         ckpt.begin(6, {})
     assert sorted(os.listdir(root)) == ["step_2", "step_4"]  # nothing written
+
+
+def test_save_freq_and_the_last_step_decide_which_steps_save():
+    from mcore_rl.run_checkpoints import saves_at
+
+    def saved(total, freq, last=True):
+        return [s for s in range(1, total + 1) if saves_at(s, total, freq, last)]
+
+    assert saved(10, 4) == [4, 8, 10]
+    assert saved(10, 5) == [5, 10]
+    assert saved(10, -1) == [10]  # the last step saves by default
+    assert saved(10, 4, last=False) == [4, 8]  # verl's rule
+    assert saved(10, -1, last=False) == []
