@@ -117,8 +117,14 @@ def without_module(name: str):
             del sys.modules[name]
 
 
+# those of them a model build runs (not the optimizer's or the checkpoint writer's, whose code a
+# background save may be running in another thread of the same process)
+BUILD_CUDA_CALLERS = tuple(m for m in CUDA_CALLERS if m.startswith(
+    ("megatron.core.models.", "megatron.core.transformer.", "megatron.core.tensor_parallel.")))
+
+
 @contextlib.contextmanager
-def cuda_untouched(modules: tuple[str, ...] = CUDA_CALLERS):
+def cuda_untouched(modules: tuple[str, ...] = BUILD_CUDA_CALLERS):
     """Within: `modules` see the CPU as their torch.cuda, so a meta-device build (the planner's and
     converter's skeleton) opens no CUDA context on a GPU host. RoPE and the router ask
     torch.cuda.current_device() (MLA's RoPE ignores use_cpu_initialization), and flashinfer is not
