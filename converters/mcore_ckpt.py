@@ -46,7 +46,7 @@ def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
     """Megatron's sharded state dict for `hf` on the meta device, plus our Entry per parameter."""
     from mcore_rl import compat
 
-    with compat.without_module("flashinfer"):  # imported by megatron's models: a CUDA context
+    with compat.cuda_untouched():  # the planner's driver would otherwise hold a CUDA context all run
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
@@ -54,16 +54,15 @@ def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
         from mcore_rl.models.builder import sharded_state_dict
         from mcore_rl.parallel import Layout, init_distributed
 
-    _ensure_single_process_group()
-    if dist.get_world_size() != 1:
-        raise RuntimeError("skeleton() builds an unsharded model and must run in one process")
-    if not ps.model_parallel_is_initialized():
-        # unseeded: seeding reads the CUDA RNG, and the planner's driver would hold a CUDA context all run
-        init_distributed(Layout(), seed=None)
-    with torch.device("meta"), compat.cuda_untouched():
-        model = build_model(hf, transformer_config(hf, dtype=dtype, cpu=True, sequence_parallel=False,
-                                                   perform_initialization=False),
-                            pre_process=True, post_process=True)
+        _ensure_single_process_group()
+        if dist.get_world_size() != 1:
+            raise RuntimeError("skeleton() builds an unsharded model and must run in one process")
+        if not ps.model_parallel_is_initialized():
+            init_distributed(Layout(), seed=None)  # unseeded: seeding reads the CUDA RNG
+        with torch.device("meta"):
+            model = build_model(hf, transformer_config(hf, dtype=dtype, cpu=True, sequence_parallel=False,
+                                                       perform_initialization=False),
+                                pre_process=True, post_process=True)
     sharded = sharded_state_dict(model)
     buffers = {n for n, _ in model.named_buffers()}
     params = mapping_for(hf).by_mcore(hf)

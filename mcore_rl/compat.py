@@ -125,10 +125,11 @@ BUILD_CUDA_CALLERS = tuple(m for m in CUDA_CALLERS if m.startswith(
 
 @contextlib.contextmanager
 def cuda_untouched(modules: tuple[str, ...] = BUILD_CUDA_CALLERS):
-    """Within: `modules` see the CPU as their torch.cuda, so a meta-device build (the planner's and
-    converter's skeleton) opens no CUDA context on a GPU host. RoPE and the router ask
-    torch.cuda.current_device() (MLA's RoPE ignores use_cpu_initialization), and flashinfer is not
-    imported: 0.6 GiB held all run otherwise."""
+    """Within: flashinfer is not imported and `modules` see the CPU as their torch.cuda, so importing
+    megatron and a meta-device build (the planner's and converter's skeleton) open no CUDA context on
+    a GPU host. megatron's models import flashinfer, whose import asks the GPU; RoPE and the router ask
+    torch.cuda.current_device() (MLA's RoPE ignores use_cpu_initialization). 0.6 GiB held all run
+    otherwise."""
     with without_module("flashinfer"):
         apply()  # first: what is restored below must include the CPU patches a build inside would apply
         mods = [importlib.import_module(m) for m in modules]
