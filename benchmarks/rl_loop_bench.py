@@ -52,8 +52,16 @@ MEMORY_PHASES = ("train", "sync", "rollout", "save")
 MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),
           *(f"memory/trainer_max_{k}_gib_{p}" for p in ("onload", "old_log_prob", "update")
             for k in ("allocated", "reserved")), "memory/trainer_offloaded_allocated_gib",
-          "memory/trainer_offloaded_reserved_gib", "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
+          "memory/trainer_offloaded_reserved_gib", "memory/trainer_max_reserved_gib_sync", "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
           *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout")), "timing/save", "checkpoint/state_gib")
+
+
+MISMATCH = ("logp_diff_abs_mean", "token_mult_prob_error", "route_agreement")  # engine vs trainer, each step
+
+
+def at_peak(step: dict) -> dict:
+    """Who held each phase's GPU peak: `memory/gpu_at_peak_gib_{phase}_{role}` (GPU runs)."""
+    return {k: v for k, v in sorted(step.items()) if k.startswith("memory/gpu_at_peak_gib_")}
 
 
 # each mode's settings, before the command line's overrides (which win)
@@ -222,7 +230,10 @@ def main() -> int:
                   logp_diff_abs_mean=med("rollout/logp_diff_abs_mean"),
                   token_mult_prob_error=med("rollout/token_mult_prob_error"),
                   route_agreement=med("rollout/route_agreement"), reward=[s.get("reward/mean") for s in timed],
-                  memory_per_step={k: {m: s.get(m) for m in MEMORY} for k, s in sorted(steps.items()) if k >= 1},
+                  mismatch_per_step={k: {m: s.get(f"rollout/{m}") for m in MISMATCH} for k, s in sorted(steps.items())
+                                     if k >= 1},
+                  memory_per_step={k: {**{m: s.get(m) for m in MEMORY}, **at_peak(s)} for k, s in sorted(steps.items())
+                                   if k >= 1},
                   memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}))
     write_json(result, a.out)
     print(f"{'phase':<28}{'median s':>14}")

@@ -96,6 +96,9 @@ class RolloutConfig(Section):
     val_temperature: float = Field(0.0, ge=0, description="validation sampling; 0 = greedy")
     val_n: int = Field(1, ge=1)
     cuda_graph_max_bs: int = Field(256, ge=1, description="largest decode batch captured in a CUDA graph")
+    max_running_requests: int | None = Field(None, ge=1, description=(
+        "largest decode batch an engine runs (GPU); null: cuda_graph_max_bs, so every decode step "
+        "replays a captured graph and stays within the memory plan"))
     chunked_prefill_size: int = Field(8192, ge=1, description="prefill tokens per forward")
     attention_backend: str | None = Field(None, description="SGLang's; null: its default (CPU: torch_native)")
     seeded: bool = Field(True, description="each completion samples with its own seed: reproducible (pytorch sampler)")
@@ -473,9 +476,9 @@ if __name__ == "__main__":  # as a script: the package's module, whose sections 
     sys.exit(mcore_rl.config.main())
 
 # the checks against the cluster and the model, imported last: they take the sections above
-from mcore_rl.config_checks import (actor_gpus, hf_model_dims, recompute_choice, require_model_dirs,  # noqa: E402
-                                    returns_routes, rollout_gpus, validate_config)
+from mcore_rl.config_checks import (actor_gpus, hf_model_dims, max_running_requests, recompute_choice,  # noqa: E402
+                                    require_model_dirs, returns_routes, rollout_gpus, validate_config)
 
 __all__ = ["Config", "ConfigError", "apply_overrides", "config_from_dict", "load_config", "schema", "to_dict",
-           "to_yaml", "actor_gpus", "hf_model_dims", "recompute_choice", "require_model_dirs", "returns_routes",
-           "rollout_gpus", "validate_config"]
+           "to_yaml", "actor_gpus", "hf_model_dims", "max_running_requests", "recompute_choice", "require_model_dirs",
+           "returns_routes", "rollout_gpus", "validate_config"]

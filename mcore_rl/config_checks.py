@@ -55,6 +55,12 @@ def actor_gpus(cfg: Config) -> int:
     return total if cfg.cluster.colocate else total - cfg.cluster.rollout_gpus
 
 
+def max_running_requests(cfg: Config) -> int:
+    """The largest decode batch an engine runs: rollout.max_running_requests, else the graphs' size."""
+    r = cfg.rollout
+    return r.max_running_requests or r.cuda_graph_max_bs
+
+
 def rollout_gpus(cfg: Config) -> int:
     c = cfg.cluster
     return c.nnodes * c.n_gpus_per_node if c.colocate else c.rollout_gpus

@@ -99,7 +99,9 @@ class Phases:
         # on GPUs, every 50 ms and PSS too (forked checkpoint writers share their parent's pages,
         # which RSS counts twice); CPU runs, whose 2 cores the engines need, are sampled lightly
         gpu = cfg.cluster.device == "gpu"
-        self.mon = PhaseMonitor(local_pids(group.actors + engines), interval_s=0.05 if gpu else 0.5, pss=gpu)
+        # and, on GPUs, each phase's peak split into the trainer's and the engines' processes
+        roles = {**dict.fromkeys(local_pids(group.actors), "trainer"), **dict.fromkeys(local_pids(engines), "engine")}
+        self.mon = PhaseMonitor(roles, interval_s=0.05 if gpu else 0.5, pss=gpu, roles=roles if gpu else None)
         self.mon.enter("rollout")
         if engine.owns_weights and cfg.cluster.colocate:
             trainer = _Trainer(group)

@@ -427,6 +427,29 @@ def test_a_gpu_engine_gets_the_planned_fraction_and_kv_tokens():
                                                    *_engine_memory(cfg, None))
 
 
+def test_the_engine_decodes_no_larger_batch_than_planned():
+    """The plan's engine activations (the sampler's rows) are for max_running_requests decode rows,
+    by default the CUDA graphs' size; the engine is started with that cap, so a batch larger than
+    the graphs (a validation of every prompt at once) queues instead of running eagerly unplanned."""
+    from mcore_rl.config import load_config
+    from mcore_rl.plan import plan_for_config
+    from mcore_rl.rollout import sglang as S
+    from mcore_rl.sync.plan import EngineLayout
+
+    def planned(*overrides):
+        cfg = load_config(TINY_GPU_YAML, ["rollout.cuda_graph_max_bs=64", *overrides])
+        act = plan_for_config(cfg, capacity=int(79 * GiB))[0].phases["rollout"]["engine activations"]
+        return S.engine_args(cfg, "/model", EngineLayout(1, 1, 1, 1), 0, None, 0.5)["max_running_requests"], act
+
+    rows, act = planned()
+    rows2, act2 = planned("rollout.max_running_requests=192")
+    unseeded = planned("rollout.seeded=false")[1]
+    V = 16  # tiny_gpu.yaml's vocabulary
+    assert (rows, rows2) == (64, 192)
+    assert act2 - act == 128 * 32 * V  # the seeded sampler's 32 B per row and vocabulary entry
+    assert act - unseeded == 64 * (32 - 12) * V
+
+
 def test_a_gpu_run_whose_plan_cannot_fit_stops_before_anything_starts(tmp_path):
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
     out = tmp_path / "run"

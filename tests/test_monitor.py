@@ -179,3 +179,46 @@ def test_a_child_between_fork_and_exec_is_not_counted_as_a_copy(helper):
     for what in ("rss", "pss"):
         held = peaks[f"memory/host_{what}_peak_gib_spawn"] * GiB
         assert held < ALLOC + 150 * MiB, f"host {what} {held / MiB:.0f} MiB for {ALLOC / MiB:.0f} held"
+
+
+def test_gpu_peak_split_by_role(helper, monkeypatch):
+    """The reading that sets a phase's GPU peak is split by process: a watched process's child
+    counts to its role, what no watched process holds is "other"; a lower reading leaves the split
+    of the peak alone. NVML is replaced by readings of these real processes (no GPU on CI)."""
+    import psutil
+
+    import mcore_rl.memory.monitor as monitor
+    from mcore_rl.memory.gpus import GpuMemory
+
+    p, ask = helper
+    ask("child 1000")
+    child = psutil.Process(p.pid).children()[0].pid
+    engine = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    now = {}
+
+    def reading(used, trainer_child, engine_b):
+        now.update(used=used * GiB, procs={p.pid: 1 * GiB, child: trainer_child * GiB, engine.pid: engine_b * GiB,
+                                           2**22 + 7: 1 * GiB})  # a pid no role watches
+
+    monkeypatch.setattr(monitor, "_nvml_works", lambda: True)
+    monkeypatch.setattr(monitor, "all_gpus", lambda: [GpuMemory("GPU-0", 0, 80 * GiB, now["used"], 0),
+                                                      GpuMemory("GPU-1", 1, 80 * GiB, 1 * GiB, 0)])
+    monkeypatch.setattr(monitor, "process_usage", lambda index: dict(now["procs"]) if index == 0 else {})
+    try:
+        reading(10, 3, 2)
+        with PhaseMonitor(interval_s=0.01, roles={p.pid: "trainer", engine.pid: "engine"}) as mon:
+            mon.enter("sync")
+            settle(mon)
+            reading(8, 1, 1)  # lower: the peak's split stays
+            settle(mon)
+            peaks = mon.take()
+            reading(12, 3, 6)  # a new peak after take(): a split of its own
+            settle(mon)
+            later = mon.take()
+    finally:
+        engine.kill()
+        engine.wait()
+    at = "memory/gpu_at_peak_gib_sync_"
+    assert peaks["memory/gpu_peak_gib_sync"] == 10
+    assert {k[len(at):]: v for k, v in peaks.items() if k.startswith(at)} == {"trainer": 4, "engine": 2, "other": 4}
+    assert {k[len(at):]: v for k, v in later.items() if k.startswith(at)} == {"trainer": 4, "engine": 6, "other": 2}

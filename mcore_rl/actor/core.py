@@ -153,4 +153,8 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         self.sync_session = SyncSession(self.model, spec, read=read)
 
     def sync_weights(self, verify: bool = False) -> dict:
-        return self.sync_session.run(verify)
+        if self.device.type != "cuda":
+            return self.sync_session.run(verify)
+        torch.cuda.reset_peak_memory_stats()  # the sync's own gathers and buckets (the sync phase's trainer share)
+        out = self.sync_session.run(verify)
+        return {**out, "trainer_max_reserved": torch.cuda.max_memory_reserved()}

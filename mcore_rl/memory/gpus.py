@@ -51,6 +51,14 @@ def all_gpus() -> list[GpuMemory]:
     return out
 
 
+def process_usage(index: int) -> dict[int, int]:
+    """{pid: bytes} of the compute processes on GPU `index` (NVML order). A process NVML lists
+    without a figure (no permission) is left out."""
+    nv = _nvml()
+    procs = nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByIndex(index))
+    return {p.pid: int(p.usedGpuMemory) for p in procs if p.usedGpuMemory}
+
+
 def parse_visible(spec: str | None, uuids: list[str]) -> list[str]:
     """UUIDs named by a CUDA_VISIBLE_DEVICES value, given the node's UUIDs in NVML order.
 

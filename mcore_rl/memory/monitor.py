@@ -13,6 +13,11 @@ and keeps, per phase, the largest reading taken while that phase was current:
   sum of PSS is also kept (a shared page split among its sharers, so the sum counts it once); it
   reads /proc/PID/smaps_rollup, which walks the page tables, hence opt-in.
 
+With `roles` ({pid: "trainer" | "engine" | ...}), the reading that sets a phase's GPU peak is
+also split by process (NVML's per-process figures on that GPU; each role is its pids and their
+descendants): `memory/gpu_at_peak_gib_{phase}_{role}`, and `..._other` for the rest of "used"
+(unwatched processes, the driver's own reservation). That says who holds a phase's peak.
+
 Samples taken while no phase is current are dropped, and so is any reading during which the phase
 changed: a PSS walk of a large process takes longer than a colocated phase switch, and its
 reading would land in the phase that was current when it began (at real width that put the
@@ -40,18 +45,20 @@ import time
 
 import psutil
 
-from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus
+from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus, process_usage
 
 GiB = 2**30
 COPY_AGE_S = 0.5
 
 
 class PhaseMonitor:
-    def __init__(self, pids=(), interval_s: float = 0.05, gpu: bool = True, pss: bool = False):
+    def __init__(self, pids=(), interval_s: float = 0.05, gpu: bool = True, pss: bool = False,
+                 roles: dict[int, str] | None = None):
         self.interval_s, self.pss = interval_s, pss
+        self._roles = dict(roles or {})
         self.samples = 0  # sampling passes so far, in a phase or not (tests wait on it; shows the thread lives)
         self.last_error: Exception | None = None  # the thread never raises; the last failure is kept here
-        self._pids: set[int] = set(pids)
+        self._pids: set[int] = set(pids) | set(self._roles)
         self._phase: str | None = None
         self._entered = 0  # phase switches so far: a reading is kept only if none happened during it
         self._peaks: dict[str, int] = {}  # metric key -> bytes, since the last take()
@@ -65,6 +72,12 @@ class PhaseMonitor:
         """Also watch these processes (and their children): actors started after the monitor."""
         with self._lock:
             self._pids.update(pids)
+
+    def watch_as(self, role: str, *pids: int) -> None:
+        """Watch these processes and count their GPU memory as `role`'s."""
+        with self._lock:
+            self._pids.update(pids)
+            self._roles.update(dict.fromkeys(pids, role))
 
     def enter(self, name: str | None) -> None:
         """Make `name` the current phase (None: none); the thread samples at once, so that a
@@ -113,20 +126,24 @@ class PhaseMonitor:
 
     def _sample(self) -> None:
         with self._lock:
-            phase, pids, entered = self._phase, set(self._pids), self._entered
+            phase, pids, entered, roles = self._phase, set(self._pids), self._entered, dict(self._roles)
         if phase is None:
             return
-        reading = {}
-        if self._gpu:  # first: one NVML call, well inside any phase
+        reading, per_pid = {}, None
+        if self._gpu:  # first: NVML calls, well inside any phase
             try:
-                used = [g.used for g in all_gpus()]
-                if used:
-                    reading["gpu"] = max(used)
+                gpus = all_gpus()
+                if gpus:
+                    top = max(gpus, key=lambda g: g.used)
+                    reading["gpu"] = top.used
+                    per_pid = process_usage(top.index) if roles else None
             except Exception as e:  # noqa: BLE001 - a failed NVML read must not lose the host reading
                 self.last_error = e
-        self._keep(phase, entered, reading)
+        tree = _process_tree(pids)
+        split = None if per_pid is None else split_by_role(reading["gpu"], per_pid, roles, tree)
+        self._keep(phase, entered, reading, split)
         reading = {}  # no host keys when no watched process could be read: absent, not 0
-        for p in _process_tree(pids):
+        for p in tree:
             if p.pid not in pids and _about_to_exec(p):
                 continue
             try:
@@ -138,14 +155,40 @@ class PhaseMonitor:
                 reading["host_pss"] = reading.get("host_pss", 0) + m.pss
         self._keep(phase, entered, reading)
 
-    def _keep(self, phase: str, entered: int, reading: dict[str, int]) -> None:
-        """Record `reading` as `phase`'s, unless the phase changed since the sample began."""
+    def _keep(self, phase: str, entered: int, reading: dict[str, int], split: dict[str, int] | None = None) -> None:
+        """Record `reading` as `phase`'s, unless the phase changed since the sample began; `split`
+        (the GPU reading by role) replaces the phase's split when the reading is its new peak."""
         with self._lock:
             if self._entered != entered:
                 return
             for what, b in reading.items():
                 key = f"memory/{what}_peak_gib_{phase}"
+                if what == "gpu" and split is not None and b > self._peaks.get(key, -1):
+                    for k in [k for k in self._peaks if k.startswith(f"memory/gpu_at_peak_gib_{phase}_")]:
+                        del self._peaks[k]
+                    self._peaks.update({f"memory/gpu_at_peak_gib_{phase}_{r}": v for r, v in split.items()})
                 self._peaks[key] = max(self._peaks.get(key, 0), b)
+
+
+def split_by_role(used: int, per_pid: dict[int, int], roles: dict[int, str],
+                  tree: list[psutil.Process]) -> dict[str, int]:
+    """`used` bytes of one GPU by role: a process counts to the role of its nearest watched
+    ancestor (or itself); what no watched process holds is "other"."""
+    role_of: dict[int, str] = {}
+    for p in tree:
+        try:
+            chain = [p.pid] + [a.pid for a in p.parents()]
+        except psutil.Error:
+            continue
+        role = next((roles[c] for c in chain if c in roles), None)
+        if role is not None:
+            role_of[p.pid] = role
+    out = dict.fromkeys(sorted(set(roles.values())), 0)
+    for pid, b in per_pid.items():
+        if pid in role_of:
+            out[role_of[pid]] += b
+    out["other"] = max(0, used - sum(out.values()))
+    return out
 
 
 def _process_tree(pids: set[int]) -> list[psutil.Process]:

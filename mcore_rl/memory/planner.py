@@ -61,7 +61,11 @@ Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
   CUDA graphs = memory.cuda_graph_gb, or about cuda_graph_max_bs * (4 V / tp + 64 h) + 512 MiB
                (the largest batch's logits and hidden buffers, shared pool). Under hook mode
                "torch" torch_memory_saver cannot pause graph memory: it stays in every phase.
-  activations = chunked_prefill_size * 32 h + cuda_graph_max_bs * 8 V / tp
+  activations = chunked_prefill_size * 32 h + B * S * V, B = max_running_requests (the largest
+               decode batch: rollout.max_running_requests, by default cuda_graph_max_bs), S the
+               sampler's bytes per row and vocabulary entry over the full gathered vocabulary:
+               32 with seeded sampling (SGLang 0.5.17's pytorch sampler: fp32 probs, their log,
+               the uint32 hash and two fp64 rows of its Gumbel trick), 12 otherwise
 Always resident: memory.reserved_gb (CUDA contexts of both processes, NCCL, fragmentation) and
 2 sync buckets of memory.sync_bucket_mb (one gathering, one in flight; outside saver regions).
 
@@ -124,6 +128,8 @@ class PlanInputs:
     mem_fraction_static: float | None = None  # None: pick
     seq_len: int = 4096  # one full sequence (prompt + response) must fit in the KV cache
     cuda_graph_max_bs: int = 256
+    max_running_requests: int | None = None  # None: cuda_graph_max_bs
+    seeded_sampling: bool = True
     chunked_prefill_size: int = 8192
     cuda_graph_bytes: int | None = None
     reserved: int = 4 * GiB
@@ -152,7 +158,7 @@ class PlanInputs:
 
     @classmethod
     def from_config(cls, cfg, capacity: int) -> "PlanInputs":
-        from mcore_rl.config import actor_gpus, recompute_choice
+        from mcore_rl.config import actor_gpus, max_running_requests, recompute_choice
 
         a, r, m, d, p = cfg.actor, cfg.rollout, cfg.memory, cfg.data, cfg.parallel
         seq = d.max_prompt_length + r.max_response_len
@@ -170,6 +176,7 @@ class PlanInputs:
             rollout_tp=r.tp_size, rollout_ep=r.ep_size, rollout_weight_dtype=r.weight_dtype,
             mem_fraction_static=None if m.auto_mem_fraction else r.mem_fraction_static,
             seq_len=seq, cuda_graph_max_bs=r.cuda_graph_max_bs, chunked_prefill_size=r.chunked_prefill_size,
+            max_running_requests=max_running_requests(cfg), seeded_sampling=r.seeded,
             cuda_graph_bytes=None if m.cuda_graph_gb is None else int(m.cuda_graph_gb * GiB),
             reserved=int(m.reserved_gb * GiB), sync_bucket=m.sync_bucket_mb * MiB,
             offload_train_states=m.offload_train_states, distributed_optimizer=cfg.actor.use_distributed_optimizer,
@@ -338,8 +345,13 @@ def cuda_graph_bytes(hf: HFModel, i: PlanInputs) -> int:
     return i.cuda_graph_max_bs * (4 * hf.vocab_size // i.rollout_tp + 64 * hf.hidden_size) + 512 * MiB
 
 
+SAMPLER_SEEDED, SAMPLER_PLAIN = 32, 12  # bytes per decode row and vocabulary entry (docstring)
+
+
 def engine_activation_bytes(hf: HFModel, i: PlanInputs) -> int:
-    return i.chunked_prefill_size * 32 * hf.hidden_size + i.cuda_graph_max_bs * 8 * hf.vocab_size // i.rollout_tp
+    rows = i.max_running_requests or i.cuda_graph_max_bs
+    per_entry = SAMPLER_SEEDED if i.seeded_sampling else SAMPLER_PLAIN
+    return i.chunked_prefill_size * 32 * hf.hidden_size + rows * per_entry * hf.vocab_size
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -373,6 +385,9 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
     }
     plan = Plan(i, phases, f, kv // per_token, {"train": worst_train, "other": worst_rest})
     plan.notes.append(f"engine weights per rank {w_engine / GiB:.2f} GiB; KV {per_token:,} B/token")
+    if (i.max_running_requests or 0) > i.cuda_graph_max_bs:
+        plan.notes.append(f"decode batches of {i.cuda_graph_max_bs + 1}-{i.max_running_requests} run without "
+                          "CUDA graphs: their activations beyond the sampler's are not planned")
     if host is not None:  # before the GPU checks: a refused plan's tables show both
         from mcore_rl.memory.host import make_host_plan
 

@@ -109,7 +109,8 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
         # (GLM-4.5, DeepSeek-V3 at EP 1); the sync's read-back table (sync/engine_layout.py) knows
         # shared experts as their own parameters, as the CPU engine and EP > 1 always keep them
         args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
-                    cuda_graph_max_bs=r.cuda_graph_max_bs, disable_shared_experts_fusion=True)
+                    cuda_graph_max_bs=r.cuda_graph_max_bs, disable_shared_experts_fusion=True,
+                    max_running_requests=C.max_running_requests(cfg))
         if r.seeded:  # its flashinfer sampler takes no seeds (mcore_rl.rollout.sglang_plugin)
             args["sampling_backend"] = "pytorch"
         if r.attention_backend:

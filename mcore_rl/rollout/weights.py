@@ -65,6 +65,8 @@ class WeightSync:
         results = self.actors.call("sync_weights", verify and self.engines.readback == "digests")
         self.syncs += 1
         out = {"sync/seconds": max(r["seconds"] for r in results), "sync/bytes": sum(r["bytes"] for r in results)}
+        if any("trainer_max_reserved" in r for r in results):  # GPU: the largest rank's allocator peak
+            out["memory/trainer_max_reserved_gib_sync"] = max(r["trainer_max_reserved"] for r in results) / 2**30
         if verify:
             out.update(self.verify(merge_expected(results)), **{"sync/verified": 1.0})
         return out

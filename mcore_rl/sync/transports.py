@@ -24,7 +24,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.distributed as dist
 
-from mcore_rl.sync.bucket import flatten
+from mcore_rl.sync.bucket import flatten, layout
 
 
 class Transport:
@@ -83,12 +83,10 @@ class CudaIpcTransport(Transport):
         if serializer is None or meta_cls is None:
             serializer, meta_cls = sglang_wire()
         self.engine_rank_of, self.serialize, self.meta_cls, self.group = engine_rank_of, serializer, meta_cls, group
+        self._buffer: torch.Tensor | None = None  # one per sync, reused by every bucket
 
     def send(self, named, last):
-        from mcore_rl.memory.allocator import ipc_shareable
-
-        with ipc_shareable():  # the engine maps this buffer through CUDA IPC
-            flat, metas = flatten(named)
+        flat, metas = flatten(named, out=self._buffer_for(named))
         payload = None
         if dist.get_rank() in self.engine_rank_of:
             payload = self.serialize({"flattened_tensor": flat,
@@ -101,6 +99,27 @@ class CudaIpcTransport(Transport):
                 per_rank[r] = gathered[t]
             self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket", flush_cache=last)
         dist.barrier(group=self.group)  # the engine has copied out of every rank's buffer
+
+    def _buffer_for(self, named) -> torch.Tensor | None:
+        """The sync's one bucket buffer, grown to fit `named`. A fresh buffer per bucket would not
+        come back to the allocator while the engine still maps it (torch keeps a sent block until
+        the receiver lets go), so the trainer's share of the sync phase could grow with every bucket."""
+        from mcore_rl.memory.allocator import ipc_shareable
+
+        if not named or named[0][1].device.type != "cuda":
+            return None  # CPU buckets travel by value
+        need = layout([(n, t.shape, t.dtype) for n, t in named])[1]
+        if self._buffer is None or self._buffer.numel() < need:
+            self._buffer = None  # the smaller one goes first
+            with ipc_shareable():  # the engine maps this buffer through CUDA IPC
+                self._buffer = torch.empty(need, dtype=torch.uint8, device=named[0][1].device)
+        return self._buffer
+
+    def end(self) -> None:
+        super().end()
+        if self._buffer is not None:
+            self._buffer = None
+            torch.cuda.ipc_collect()  # frees it once the engine has let go of its mapping
 
 
 class _Concurrently:
