@@ -161,6 +161,8 @@ def compare_modes(config: str, overrides: list[str], modes: list[str], out: str)
         rows.append({"mode": mode, "overrides": args, "steps": len(trained),
                      "samples_per_s": samples / (trained[-1]["time"] - trained[0]["time"]),
                      "reward_last3": statistics.mean(s["reward/mean"] for s in trained[-3:]), **means})
+        write_json({"config": config, "overrides": overrides, "modes": rows}, out)  # kept if a later mode is cut
+        print(f"{mode}: {rows[-1]['samples_per_s']:.2f} samples/s", flush=True)
     base = next((r["samples_per_s"] for r in rows if r["mode"] == "sync"), None)
     for r in rows:
         r["speedup_vs_sync"] = r["samples_per_s"] / base if base else None

@@ -124,7 +124,9 @@ class MemoryConfig(Section):
     """Colocated memory planning (mcore_rl.memory.planner; `python -m mcore_rl.plan`)."""
 
     gpu_memory_gb: float | None = Field(None, gt=0, description="plan for this much per GPU; null: NVML's free memory")
-    reserved_gb: float = Field(4.0, ge=0, description="per GPU outside both models: CUDA contexts, NCCL, fragmentation")
+    reserved_gb: float = Field(6.0, ge=0, description=(
+        "per GPU outside both models' planned tensors: the trainer's and the engine's CUDA contexts, NCCL, "
+        "kernels, the released engine's leftovers (H100, Moonlight widths: 3.5 + 2.6 GiB)"))
     offload_train_states: bool = Field(True, description="Megatron params/grads/optimizer to CPU while the engine runs")
     offload_ref: bool = Field(True, description="the frozen reference policy stays on the host between forwards (GPU)")
     grad_fp32: bool = Field(True, description="grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)")

@@ -60,10 +60,11 @@ def helper():
     p.wait()
 
 
-def settle(mon, n=3, timeout=10.0):
-    """Wait until the thread has taken `n` more samples (the state of the moment is in a peak)."""
-    target, end = mon.samples + n, time.monotonic() + timeout
-    while mon.samples < target:
+def settle(mon, n=3, timeout=10.0, counter="samples"):
+    """Wait until a thread has taken `n` more samples (the state of the moment is in a peak):
+    the host thread's, or with counter="gpu_samples" the GPU thread's."""
+    target, end = getattr(mon, counter) + n, time.monotonic() + timeout
+    while getattr(mon, counter) < target:
         assert time.monotonic() < end, f"no samples (last error: {mon.last_error!r})"
         time.sleep(0.005)
 
@@ -132,9 +133,9 @@ def test_survives_exited_process_and_closes(helper):
     p.wait()
     mon.take()
     settle(mon)  # still sampling: the exited process is skipped, no host key is made up for it
-    assert mon.take() == {} and mon._thread.is_alive()
+    assert mon.take() == {} and all(t.is_alive() for t in mon._threads)
     mon.close()
-    assert not mon._thread.is_alive()
+    assert not any(t.is_alive() for t in mon._threads)
 
 
 def test_a_reading_that_spans_a_phase_switch_is_dropped(helper, monkeypatch):
@@ -208,12 +209,12 @@ def test_gpu_peak_split_by_role(helper, monkeypatch):
         reading(10, 3, 2)
         with PhaseMonitor(interval_s=0.01, roles={p.pid: "trainer", engine.pid: "engine"}) as mon:
             mon.enter("sync")
-            settle(mon)
+            settle(mon, counter="gpu_samples")
             reading(8, 1, 1)  # lower: the peak's split stays
-            settle(mon)
+            settle(mon, counter="gpu_samples")
             peaks = mon.take()
             reading(12, 3, 6)  # a new peak after take(): a split of its own
-            settle(mon)
+            settle(mon, counter="gpu_samples")
             later = mon.take()
     finally:
         engine.kill()

@@ -1,8 +1,9 @@
-"""Peak GPU memory and host memory per phase of the RL loop, sampled in a daemon thread.
+"""Peak GPU memory and host memory per phase of the RL loop, sampled in daemon threads.
 
 A reading taken as a phase starts misses what the phase itself allocates (the update's
-activations, the checkpoint writer's staging buffers), so a thread samples every `interval_s`
-and keeps, per phase, the largest reading taken while that phase was current:
+activations, the checkpoint writer's staging buffers), so threads sample every `interval_s`
+(GPU and host each in its own thread: a PSS walk must not starve a short phase of GPU readings)
+and keep, per phase, the largest reading taken while that phase was current:
 
 - GPU: NVML used bytes of every GPU of this node (all processes: colocated, the engines and the
   trainer share the GPUs and the plan budgets for both), the max over GPUs. Without NVML there
@@ -63,10 +64,19 @@ class PhaseMonitor:
         self._entered = 0  # phase switches so far: a reading is kept only if none happened during it
         self._peaks: dict[str, int] = {}  # metric key -> bytes, since the last take()
         self._lock = threading.Lock()
-        self._wake, self._stop = threading.Event(), threading.Event()
+        self._wake, self._gpu_wake, self._stop = threading.Event(), threading.Event(), threading.Event()
         self._gpu = gpu and _nvml_works()
-        self._thread = threading.Thread(target=self._run, name="PhaseMonitor", daemon=True)
-        self._thread.start()
+        self.gpu_samples = 0  # GPU sampling passes so far
+        # GPU readings in a thread of their own: a PSS walk of a large process takes longer than a
+        # colocated phase (the sync: 0.3 s at Moonlight widths), which would otherwise get no reading
+        self._threads = [threading.Thread(target=self._run, args=(self._sample_host, self._wake, "samples"),
+                                          name="PhaseMonitor", daemon=True)]
+        if self._gpu:
+            self._threads.append(threading.Thread(target=self._run, args=(self._sample_gpu, self._gpu_wake,
+                                                                          "gpu_samples"),
+                                                  name="PhaseMonitorGPU", daemon=True))
+        for t in self._threads:
+            t.start()
 
     def watch(self, *pids: int) -> None:
         """Also watch these processes (and their children): actors started after the monitor."""
@@ -87,6 +97,7 @@ class PhaseMonitor:
             self._phase = name
             self._entered += 1
         self._wake.set()
+        self._gpu_wake.set()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -106,7 +117,9 @@ class PhaseMonitor:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join()
+        self._gpu_wake.set()
+        for t in self._threads:
+            t.join()
 
     def __enter__(self):
         return self
@@ -114,36 +127,37 @@ class PhaseMonitor:
     def __exit__(self, *exc):
         self.close()
 
-    def _run(self) -> None:
+    def _run(self, sample, wake: threading.Event, counter: str) -> None:
         while not self._stop.is_set():
             try:
-                self._sample()
+                sample()
             except Exception as e:  # noqa: BLE001 - a monitor must not take the run down
                 self.last_error = e
-            self.samples += 1
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
+            setattr(self, counter, getattr(self, counter) + 1)
+            wake.wait(self.interval_s)
+            wake.clear()
 
-    def _sample(self) -> None:
+    def _sample_gpu(self) -> None:
         with self._lock:
             phase, pids, entered, roles = self._phase, set(self._pids), self._entered, dict(self._roles)
         if phase is None:
             return
-        reading, per_pid = {}, None
-        if self._gpu:  # first: NVML calls, well inside any phase
-            try:
-                gpus = all_gpus()
-                if gpus:
-                    top = max(gpus, key=lambda g: g.used)
-                    reading["gpu"] = top.used
-                    per_pid = process_usage(top.index) if roles else None
-            except Exception as e:  # noqa: BLE001 - a failed NVML read must not lose the host reading
-                self.last_error = e
-        tree = _process_tree(pids)
-        split = None if per_pid is None else split_by_role(reading["gpu"], per_pid, roles, tree)
-        self._keep(phase, entered, reading, split)
+        gpus = all_gpus()
+        if not gpus:
+            return
+        top = max(gpus, key=lambda g: g.used)
+        split = None
+        if roles:
+            split = split_by_role(top.used, process_usage(top.index), roles, _process_tree(pids))
+        self._keep(phase, entered, {"gpu": top.used}, split)
+
+    def _sample_host(self) -> None:
+        with self._lock:
+            phase, pids, entered = self._phase, set(self._pids), self._entered
+        if phase is None:
+            return
         reading = {}  # no host keys when no watched process could be read: absent, not 0
-        for p in tree:
+        for p in _process_tree(pids):
             if p.pid not in pids and _about_to_exec(p):
                 continue
             try:

@@ -66,8 +66,14 @@ Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
                sampler's bytes per row and vocabulary entry over the full gathered vocabulary:
                32 with seeded sampling (SGLang 0.5.17's pytorch sampler: fp32 probs, their log,
                the uint32 hash and two fp64 rows of its Gumbel trick), 12 otherwise
-Always resident: memory.reserved_gb (CUDA contexts of both processes, NCCL, fragmentation) and
-2 sync buckets of memory.sync_bucket_mb (one gathering, one in flight; outside saver regions).
+Always resident: memory.reserved_gb, what both processes hold outside the tensors planned here.
+Measured per process on an H100 at Moonlight widths (4 layers, the monitor's split of each phase's
+peak): the trainer 3.5 GiB with its states offloaded and its allocator empty (CUDA context,
+kernels and NCCL's communicators, which appear with the first update: 1.3 GiB before it), the
+released engine 2.6 GiB (context, NCCL, its allocator's cache, the buffers SGLang stashes); the
+default 6 GiB is their sum. In the sync phase, 2 sync buckets of memory.sync_bucket_mb: the
+trainer's bucket buffer and the gathers filling it (its allocator peaked at 1.36 GiB with 512 MiB
+buckets); the sync frees them (`empty_cache`) before the rollout.
 
 Phases: train (engine released), sync (engine weights resumed, trainer released), rollout
 (KV cache and CUDA graphs resumed). A phase over capacity raises PlanError(phase, shortfall).
@@ -132,7 +138,7 @@ class PlanInputs:
     seeded_sampling: bool = True
     chunked_prefill_size: int = 8192
     cuda_graph_bytes: int | None = None
-    reserved: int = 4 * GiB
+    reserved: int = 6 * GiB
     sync_bucket: int = 512 * MiB
     offload_train_states: bool = True
     distributed_optimizer: bool = True
@@ -365,7 +371,8 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
     worst_rest = max(range(i.pp), key=lambda s: sum(stages[s][k] for k in states))
     train, rest = stages[worst_train], stages[worst_rest]
     residue = {} if i.offload_train_states else {k: rest[k] for k in states}
-    always = {"reserved (contexts, NCCL)": i.reserved, "sync buckets": 2 * i.sync_bucket}
+    always = {"reserved (contexts, NCCL)": i.reserved}
+    buckets = {"sync buckets": 2 * i.sync_bucket}
     w_engine, graphs = engine_weight_bytes(hf, i), cuda_graph_bytes(hf, i)
     act_engine = engine_activation_bytes(hf, i)
     pinned = {"engine cuda graphs": graphs} if i.hook_mode == "torch" else {}
@@ -379,7 +386,7 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
     per_token = kv_bytes_per_token(hf, i.rollout_tp)
     phases = {
         "train": {**always, **pinned, **train},
-        "sync": {**always, **pinned, **residue, "engine weights": w_engine},
+        "sync": {**always, **pinned, **residue, **buckets, "engine weights": w_engine},
         "rollout": {**always, **pinned, **residue, "engine weights": w_engine, "engine kv cache": kv,
                     "engine cuda graphs": graphs, "engine activations": act_engine},
     }
