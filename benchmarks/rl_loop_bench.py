@@ -52,7 +52,8 @@ MEMORY_PHASES = ("train", "sync", "rollout", "save")
 MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),
           *(f"memory/trainer_max_{k}_gib_{p}" for p in ("onload", "old_log_prob", "update")
             for k in ("allocated", "reserved")), "memory/trainer_offloaded_allocated_gib",
-          "memory/trainer_offloaded_reserved_gib", "memory/trainer_max_reserved_gib_sync", "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
+          "memory/trainer_offloaded_reserved_gib", "memory/trainer_max_reserved_gib_sync",
+          "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
           *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout")), "timing/save", "checkpoint/state_gib")
 
 

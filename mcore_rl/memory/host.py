@@ -17,8 +17,8 @@ and per engine rank (a GPU of an SGLang or vLLM engine) its process with its sha
 tokenizer/detokenizer processes (memory.host_engine_process_gb) and, for a colocated SGLang engine
 with FP8 weights, the host copy of its weights that SGLang keeps while they are released
 (`enable_weights_cpu_backup`, mcore_rl.rollout.sglang: the rank's engine weights as the GPU plan
-counts them; measured +4.0 GiB of host PSS for 2.98 GiB planned at Moonlight widths, 4 layers). The process baselines were
-measured on one H100 at Moonlight widths (below).
+counts them; measured +4.0 GiB of host PSS for 2.98 GiB planned at Moonlight widths, 4 layers).
+The process baselines were measured on one H100 at Moonlight widths (below).
 
 Node RAM: cluster.host_memory_gb, else this machine's MemTotal where it is a node of the run (its
 GPUs are visible, as the GPU capacity then comes from them); elsewhere the plan is shown, not checked.

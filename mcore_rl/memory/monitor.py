@@ -83,14 +83,8 @@ class PhaseMonitor:
         with self._lock:
             self._pids.update(pids)
 
-    def watch_as(self, role: str, *pids: int) -> None:
-        """Watch these processes and count their GPU memory as `role`'s."""
-        with self._lock:
-            self._pids.update(pids)
-            self._roles.update(dict.fromkeys(pids, role))
-
     def enter(self, name: str | None) -> None:
-        """Make `name` the current phase (None: none); the thread samples at once, so that a
+        """Make `name` the current phase (None: none); the threads sample at once, so that a
         phase shorter than the interval still gets a reading (unless it ends before that sample
         starts: a phase without a reading has no keys)."""
         with self._lock:
