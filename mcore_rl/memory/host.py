@@ -83,7 +83,7 @@ class HostInputs:
 
     @classmethod
     def from_config(cls, cfg) -> "HostInputs":
-        from mcore_rl.config import rollout_gpus
+        from mcore_rl.config import engine_backs_up_weights, rollout_gpus
 
         c, m, r, a, alg = cfg.cluster, cfg.memory, cfg.rollout, cfg.actor, cfg.algorithm
         total, gpu = c.nnodes * c.n_gpus_per_node, c.device == "gpu"  # the offloaders move CUDA tensors only
@@ -96,8 +96,7 @@ class HostInputs:
                    ram=ram, ram_source=source,
                    trainer_process=gb(m.host_trainer_process_gb, TRAINER_PROCESS_GB),
                    engine_process=gb(m.host_engine_process_gb, ENGINE_PROCESS_GB),
-                   engine_weights_backup=gpu and c.colocate and r.engine == "sglang" and r.enable_memory_saver
-                   and r.weight_dtype == "fp8")
+                   engine_weights_backup=engine_backs_up_weights(cfg))
 
 
 def node_ram(host_memory_gb: float | None, meminfo: str = "/proc/meminfo") -> tuple[int | None, str]:

@@ -111,7 +111,7 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
         args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
                     cuda_graph_max_bs=r.cuda_graph_max_bs, disable_shared_experts_fusion=True,
                     max_running_requests=C.max_running_requests(cfg))
-        if r.weight_dtype == "fp8" and args["enable_memory_saver"]:
+        if C.engine_backs_up_weights(cfg):
             # an FP8 model keeps state beside its parameters that a weights release loses and the
             # sync does not rewrite: without a host copy the engine decodes wrongly after the first
             # release (H100, Moonlight widths: log-prob gap 0.18 before it, 0.78 after, the synced
