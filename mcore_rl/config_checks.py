@@ -61,14 +61,6 @@ def max_running_requests(cfg: Config) -> int:
     return r.max_running_requests or r.cuda_graph_max_bs
 
 
-def engine_backs_up_weights(cfg: Config) -> bool:
-    """Whether the SGLang engines keep a host copy of their released weights: colocated FP8 engines
-    (mcore_rl.rollout.sglang says why)."""
-    r = cfg.rollout
-    return (cfg.cluster.device == "gpu" and cfg.cluster.colocate and r.engine == "sglang"
-            and r.enable_memory_saver and r.weight_dtype == "fp8")
-
-
 def rollout_gpus(cfg: Config) -> int:
     c = cfg.cluster
     return c.nnodes * c.n_gpus_per_node if c.colocate else c.rollout_gpus

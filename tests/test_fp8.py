@@ -84,12 +84,5 @@ def test_an_fp8_engine_starts_from_an_fp8_checkpoints_config(tmp_path):
     args = engine_args(cfg, out, EngineLayout(1, 1, 1, 1), 0, None, 0.5)
     assert args["load_format"] == "dummy"  # every weight comes from the first (read-back) sync
     assert engine_env(cfg, EngineLayout(1, 1, 1, 1))["SGLANG_ENABLE_JIT_DEEPGEMM"] == "0"
-    # colocated on GPUs, SGLang keeps a host copy of the released FP8 weights (state the sync does not rewrite)
-    on_gpu = [f"cluster.{k}" for k in ("device=gpu", "colocate=true")]
-    gpu = load_config(os.path.join(root, "configs", "tiny_cpu.yaml"), ["rollout.weight_dtype=fp8", *on_gpu,
-                      "model.hf_config.moe_intermediate_size=128", "model.hf_config.q_lora_rank=128"])
-    assert engine_args(gpu, out, EngineLayout(1, 1, 1, 1), 0, None, 0.5)["enable_weights_cpu_backup"]
-    gpu_bf16 = load_config(os.path.join(root, "configs", "tiny_cpu.yaml"), on_gpu)
-    assert "enable_weights_cpu_backup" not in engine_args(gpu_bf16, out, EngineLayout(1, 1, 1, 1), 0, None, 0.5)
     plain = engine_model_dir(str(hf), str(tmp_path / "plain"), [1], "cpu")
     assert "quantization_config" not in json.loads(open(os.path.join(plain, "config.json")).read())

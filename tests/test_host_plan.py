@@ -38,8 +38,7 @@ def by_hand(cfg, stage: int) -> dict[str, int]:
     host_moments = 4 * el
     states = weights + 4 * (n["dense"] + n["expert"]) + 4 * el + 8 * el - host_moments  # bf16 w, fp32 g, main, moments
     return {H.STATES: states, H.OPT: 2 * host_moments, H.REF: weights,
-            H.CKPT: max(2 * GiB, math.ceil(0.05 * (states + host_moments))), H.TRAINER: int(H.TRAINER_PROCESS_GB * GiB),
-            H.BACKUP: 0}
+            H.CKPT: max(2 * GiB, math.ceil(0.05 * (states + host_moments))), H.TRAINER: int(H.TRAINER_PROCESS_GB * GiB)}
 
 
 def test_items_per_node_equal_the_hand_count_at_pp2():
@@ -72,11 +71,6 @@ def test_what_lives_on_the_host_follows_the_config():
     assert n1 == {**dict.fromkeys(H.ITEMS, 0), H.ENGINE: 8 * int(H.ENGINE_PROCESS_GB * GiB)}
     _, plan = plan_of("rollout.engine=embedded")  # samples on the trainer's shards: nothing offloaded
     assert plan.host.nodes[0][H.STATES] == plan.host.nodes[0][H.ENGINE] == 0
-    # a colocated FP8 engine keeps its released weights on the host: each rank's, as the GPU plan counts them
-    _, plan = plan_of("rollout.weight_dtype=fp8", "rollout.tp_size=2", "rollout.ep_size=2")  # whole FP8 blocks
-    assert plan.host.nodes[0][H.BACKUP] == 8 * plan.phases["rollout"]["engine weights"] > 0
-    assert plan_of("rollout.weight_dtype=fp8", "cluster.colocate=false", "cluster.rollout_gpus=8", "rollout.tp_size=2",
-                   "rollout.ep_size=2")[1].host.nodes[1][H.BACKUP] == 0  # nothing released: no copy
 
 
 def test_a_node_over_its_ram_is_refused_after_the_gpu_checks():

@@ -71,7 +71,7 @@ def _worker(rank, root, out):
     from mcore_rl.checkpoint import load_model
     from mcore_rl.models import build_model, transformer_config
     from mcore_rl.parallel import init_distributed
-    from mcore_rl.rollout.sglang_plugin import weight_digests
+    from mcore_rl.rollout.sglang_plugin import restore_kv_scales, weight_digests
     from mcore_rl.sync import LiveShards, sync_weights
     from mcore_rl.sync.engine_layout import ExpectedDigests, compare_engine
     from tests.test_sglang_sync import ThreadedEngine, _tensors, _transport
@@ -119,6 +119,19 @@ def _worker(rank, root, out):
         ours = ckpt.get(hf_name).chunk(2, dim=dim)[rank]
         dequant[param] = torch.equal(theirs, ours)
 
+    # The KV-cache scales of the FP8 attention layers, after SGLang's own post-load step, then garbage
+    # (what a weights release leaves), then written back by the plugin as the engine actor does on resume
+    attn = [m for m in synced.modules() if isinstance(getattr(m, "k_scale", None), torch.Tensor)]
+    for m in attn:
+        m.quant_method.process_weights_after_loading(m)
+    loaded = [[float(m.k_scale), float(m.v_scale)] for m in attn]
+    with torch.no_grad():
+        for m in attn:
+            m.k_scale.fill_(float("nan"))
+            m.v_scale.fill_(-3.0)
+    kv_scales = dict(layers=len(attn), loaded=loaded, written=restore_kv_scales(synced),
+                     restored=[[float(m.k_scale), float(m.v_scale)] for m in attn])
+
     # SGLang's CPU engine would next run its post-load step on every FP8 layer: record what it says
     layer = synced.model.layers[0].self_attn.o_proj
     try:
@@ -131,7 +144,7 @@ def _worker(rank, root, out):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(dict(tensors=len(want), differ=differ[:10], n_differ=len(differ), fp8_params=fp8_params,
                        buckets=stats["buckets"], moved=moved, readback=readback, tampered=tampered, dequant=dequant,
-                       cpu_engine=cpu_engine), f)
+                       cpu_engine=cpu_engine, kv_scales=kv_scales), f)
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +188,16 @@ def test_fp8_readback_matches_what_was_sent_and_catches_a_flipped_byte(results):
 def test_sglang_dequantizes_what_it_holds_as_our_converter_imports_the_checkpoint(results):
     for r in results[1]:
         assert r["dequant"] and all(r["dequant"].values()), r["dequant"]
+
+
+def test_kv_scales_a_weights_release_loses_are_written_back(results):
+    """FP8 attention layers divide each cached K by their `k_scale` tensor, which no sync rewrites:
+    after a release it held garbage and the engine decoded wrongly (H100, Moonlight widths)."""
+    for r in results[1]:
+        kv = r["kv_scales"]
+        # two RadixAttention modules per MLA layer (absorbed and plain), 1.0 from SGLang's post-load step
+        assert kv["layers"] == 4 and kv["loaded"] == [[1.0, 1.0]] * 4
+        assert kv["written"] == 8 and kv["restored"] == kv["loaded"]
 
 
 def test_sglang_cpu_engine_cannot_run_fp8_layers_here(results):

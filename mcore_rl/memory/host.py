@@ -14,11 +14,8 @@ rank (PP stage s = r // (world / pp): megatron's rank order puts PP outermost):
                            writer's bound; always counted, as the final step saves
   trainer process          torch, megatron and the CUDA context's host side (memory.host_trainer_process_gb)
 and per engine rank (a GPU of an SGLang or vLLM engine) its process with its share of the
-tokenizer/detokenizer processes (memory.host_engine_process_gb) and, for a colocated SGLang engine
-with FP8 weights, the host copy of its weights that SGLang keeps while they are released
-(`enable_weights_cpu_backup`, mcore_rl.rollout.sglang: the rank's engine weights as the GPU plan
-counts them; measured +4.0 GiB of host PSS for 2.98 GiB planned at Moonlight widths, 4 layers).
-The process baselines were measured on one H100 at Moonlight widths (below).
+tokenizer/detokenizer processes (memory.host_engine_process_gb). The process baselines were
+measured on one H100 at Moonlight widths (below).
 
 Node RAM: cluster.host_memory_gb, else this machine's MemTotal where it is a node of the run (its
 GPUs are visible, as the GPU capacity then comes from them); elsewhere the plan is shown, not checked.
@@ -31,8 +28,7 @@ import math
 from dataclasses import dataclass
 
 from mcore_rl.memory.layout import inventory, megatron_rank_numel
-from mcore_rl.memory.planner import (GiB, Plan, PlanError, PlanInputs, engine_weight_bytes, moment_bytes,
-                                     optimizer_elements, trainer_bytes)
+from mcore_rl.memory.planner import GiB, Plan, PlanError, PlanInputs, moment_bytes, optimizer_elements, trainer_bytes
 from mcore_rl.models.config import HFModel
 
 # measured on one H100 at Moonlight widths (benchmarks/RESULTS.md, issue 24): a trainer rank's RSS
@@ -48,8 +44,7 @@ REF = "reference model"
 CKPT = "checkpoint save staging"
 TRAINER = "trainer processes"
 ENGINE = "engine processes"
-BACKUP = "engine weights backup"
-ITEMS = (STATES, OPT, REF, CKPT, TRAINER, ENGINE, BACKUP)
+ITEMS = (STATES, OPT, REF, CKPT, TRAINER, ENGINE)
 NOT_GIVEN = "node RAM not given; host plan not checked"
 
 
@@ -79,11 +74,10 @@ class HostInputs:
     ram_source: str = NOT_GIVEN
     trainer_process: int = int(TRAINER_PROCESS_GB * GiB)
     engine_process: int = int(ENGINE_PROCESS_GB * GiB)
-    engine_weights_backup: bool = False  # the engine keeps a host copy of its released weights (FP8)
 
     @classmethod
     def from_config(cls, cfg) -> "HostInputs":
-        from mcore_rl.config import engine_backs_up_weights, rollout_gpus
+        from mcore_rl.config import rollout_gpus
 
         c, m, r, a, alg = cfg.cluster, cfg.memory, cfg.rollout, cfg.actor, cfg.algorithm
         total, gpu = c.nnodes * c.n_gpus_per_node, c.device == "gpu"  # the offloaders move CUDA tensors only
@@ -95,8 +89,7 @@ class HostInputs:
                    ref_on_host=gpu and m.offload_ref and (a.use_kl_loss or alg.use_kl_in_reward),
                    ram=ram, ram_source=source,
                    trainer_process=gb(m.host_trainer_process_gb, TRAINER_PROCESS_GB),
-                   engine_process=gb(m.host_engine_process_gb, ENGINE_PROCESS_GB),
-                   engine_weights_backup=engine_backs_up_weights(cfg))
+                   engine_process=gb(m.host_engine_process_gb, ENGINE_PROCESS_GB))
 
 
 def node_ram(host_memory_gb: float | None, meminfo: str = "/proc/meminfo") -> tuple[int | None, str]:
@@ -178,8 +171,6 @@ def make_host_plan(hf: HFModel, i: PlanInputs, h: HostInputs) -> HostPlan:
     for rank in range(i.world):
         for k, v in stages[rank // (i.world // i.pp)].items():
             nodes[rank // h.gpus_per_node][k] += v
-    backup = engine_weight_bytes(hf, i) if h.engine_weights_backup else 0
     for g in h.engine_gpus:
         nodes[g // h.gpus_per_node][ENGINE] += h.engine_process
-        nodes[g // h.gpus_per_node][BACKUP] += backup
     return HostPlan(nodes, h.ram, h.ram_source)

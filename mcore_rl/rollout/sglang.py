@@ -111,12 +111,6 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
         args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
                     cuda_graph_max_bs=r.cuda_graph_max_bs, disable_shared_experts_fusion=True,
                     max_running_requests=C.max_running_requests(cfg))
-        if C.engine_backs_up_weights(cfg):
-            # an FP8 model keeps state beside its parameters that a weights release loses and the
-            # sync does not rewrite: without a host copy the engine decodes wrongly after the first
-            # release (H100, Moonlight widths: log-prob gap 0.18 before it, 0.78 after, the synced
-            # parameters reading back equal)
-            args["enable_weights_cpu_backup"] = True
         if r.seeded:  # its flashinfer sampler takes no seeds (mcore_rl.rollout.sglang_plugin)
             args["sampling_backend"] = "pytorch"
         if r.attention_backend:
@@ -340,7 +334,10 @@ class SGLangServer:
         self.engine.release_memory_occupation(tags=tags)
 
     def resume(self, tags: list[str]) -> None:
-        self.engine.resume_memory_occupation(tags=check_tags(tags))
+        tags = check_tags(tags)
+        self.engine.resume_memory_occupation(tags=tags)
+        if "weights" in tags:  # an FP8 model's KV scales are no synced weight (sglang_plugin says why)
+            self.engine.collective_rpc("mcore_rl_restore_kv_scales")
 
     # ---- life ----------------------------------------------------------------------------------------
     def health(self) -> dict:

@@ -5,6 +5,11 @@ model is built.
 - `Scheduler.mcore_rl_weight_digests(path)`: digests of every parameter of this TP rank, written
   atomically to `path.tp{rank}.json`. Reached through `Engine.collective_rpc`, which reports only
   success, hence the file. This is how a sync is read back and verified.
+- `Scheduler.mcore_rl_restore_kv_scales()`: an FP8 model's attention layers hold their KV-cache
+  scales as tensors in the weights region (`k_scale`/`v_scale`, 1.0 from SGLang's post-load step,
+  no checkpoint weight, so no sync rewrites them) and divide every K they cache by `k_scale`
+  (triton MLA). A weights release leaves garbage there; the engine actor calls this after each
+  resume to write them back from the floats SGLang keeps beside them.
 - `Scheduler.mcore_rl_check_idle()`: fails unless every TP rank of the engine is fully idle.
   SGLang asserts idleness inside the scheduler when asked to release memory, and a failed assert
   there kills the scheduler and then the engine's process (seen right after `generate` returned);
@@ -43,6 +48,26 @@ def _scheduler_weight_digests(self, path: str) -> None:
     os.replace(out + ".tmp", out)
 
 
+def restore_kv_scales(model) -> int:
+    """Writes each attention layer's `k_scale`/`v_scale` tensor back from its `*_float` value (set by
+    SGLang's post-load step); returns how many tensors were written."""
+    import torch
+
+    written = 0
+    with torch.no_grad():
+        for module in model.modules():
+            for name in ("k_scale", "v_scale"):
+                tensor, value = getattr(module, name, None), getattr(module, name + "_float", None)
+                if isinstance(tensor, torch.Tensor) and value is not None:
+                    tensor.fill_(value)
+                    written += 1
+    return written
+
+
+def _scheduler_restore_kv_scales(self) -> None:
+    restore_kv_scales(self.tp_worker.model_runner.model)
+
+
 def _scheduler_check_idle(self) -> None:
     import torch
     import torch.distributed as dist
@@ -79,6 +104,7 @@ def register() -> None:
 
     Scheduler.mcore_rl_weight_digests = _scheduler_weight_digests
     Scheduler.mcore_rl_check_idle = _scheduler_check_idle
+    Scheduler.mcore_rl_restore_kv_scales = _scheduler_restore_kv_scales
     if os.environ.get("MCORE_RL_SEEDED_SAMPLING") == "1":
         _seeded_sampling()
     if os.environ.get("MCORE_RL_SGLANG_CPU") == "1":
