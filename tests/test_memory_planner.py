@@ -175,14 +175,17 @@ def test_activations_follow_the_documented_estimate():
     T, H, V, tp, n = 8192, c["hidden_size"], c["vocab_size"], 2, 3000
     i = PlanInputs(capacity=80 * GiB, world=16, tp=tp, ep=8, micro_tokens=T, response_tokens=n,
                    fused_logprobs=False)
-    moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
-    layers = 27 * 42 * T * H // tp + 26 * moe
+    moe = T * c["num_experts_per_tok"] // tp * (4 * H + 3 * c["moe_intermediate_size"]) * 2  # ep > 1: dispatch copies
+    layers = 27 * 21 * T * H // tp + 26 * moe
     assert trainer_bytes(hf, i, 0)["megatron activations"] == layers + 2 * T * V + 14 * n * V
+    one_ep = dataclasses.replace(i, ep=1, world=2)  # no dispatch: two hidden-state copies fewer per routed token
+    assert trainer_bytes(hf, i, 0)["megatron activations"] - trainer_bytes(hf, one_ep, 0)["megatron activations"] \
+        == 26 * T * c["num_experts_per_tok"] // tp * 2 * H * 2
     fused = dataclasses.replace(i, fused_logprobs=True)  # bf16 rows kept + one fp32 chunk
     assert trainer_bytes(hf, fused, 0)["megatron activations"] == layers + 2 * T * V + 2 * n * V + (1 << 29)
     sdpa = dataclasses.replace(i, packed_attention="sdpa")  # each sequence's attention scores stored too
     assert trainer_bytes(hf, sdpa, 0)["megatron activations"] - trainer_bytes(hf, i, 0)["megatron activations"] \
-        == 27 * (153 - 42) * T * H // tp
+        == 27 * (132 - 21) * T * H // tp
 
 
 def _moonlight_train(**kw) -> dict:
@@ -194,8 +197,8 @@ def _moonlight_train(**kw) -> dict:
 def test_recompute_choices_keep_what_the_docstring_says():
     c = MOONLIGHT
     T, H, tp, L = 8192, c["hidden_size"], 2, c["num_hidden_layers"]
-    moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
-    dense_layer, moe_layer = 42 * T * H // tp, 42 * T * H // tp + moe
+    moe = T * c["num_experts_per_tok"] // tp * (4 * H + 3 * c["moe_intermediate_size"]) * 2
+    dense_layer, moe_layer = 21 * T * H // tp, 21 * T * H // tp + moe
     head = 2 * T * c["vocab_size"]  # no response rows
     act = lambda **kw: _moonlight_train(**kw)["megatron activations"]  # noqa: E731
     assert act() == dense_layer + 26 * moe_layer + head
