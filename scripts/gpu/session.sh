@@ -2,6 +2,7 @@
 # On a lent GPU machine whose /tmp/sglang-site holds SGLang, Ray and megatron-core (see
 # ../shared/tools/sglang-gpu and scripts/gpu/stage_extra.sh): run one part of the GPU evidence,
 # writing logs and JSON under $OUT.  bash scripts/gpu/session.sh PART [PART ...]
+# On a machine of several GPUs, `bash scripts/gpu/side_by_side.sh` runs one such session per GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 export PYTHONPATH=/tmp/sglang-site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -37,7 +38,7 @@ SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null' EXIT
 { date; df -h /tmp /dev/shm; free -g; } > "$OUT/machine.log" 2>&1
 for part in "$@"; do
-  rm -rf /tmp/rl_loop_bench_* /tmp/rl_loop_modes_*  # a failed bench's checkpoints (tens of GB) stay otherwise
+  rm -rf "${TMPDIR:-/tmp}"/rl_loop_bench_* "${TMPDIR:-/tmp}"/rl_loop_modes_*  # a failed bench's checkpoints (tens of GB) stay otherwise
   case $part in
     colocated) train colocated cluster.n_gpus_per_node=2 parallel.ep=2 rollout.tp_size=2 actor.micro_batch_size=64 trainer.total_training_steps=20 ;;
     separate) train separate cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 trainer.total_training_steps=20 ;;
