@@ -223,3 +223,26 @@ def test_gpu_peak_split_by_role(helper, monkeypatch):
     assert peaks["memory/gpu_peak_gib_sync"] == 10
     assert {k[len(at):]: v for k, v in peaks.items() if k.startswith(at)} == {"trainer": 4, "engine": 2, "other": 4}
     assert {k[len(at):]: v for k, v in later.items() if k.startswith(at)} == {"trainer": 4, "engine": 6, "other": 2}
+
+
+def test_gpu_peak_is_read_on_this_runs_gpus_only(helper, monkeypatch):
+    """Two runs side by side on one node, a GPU each: the fuller GPU, held by the other run's
+    processes, is not this run's peak; with no watched process on any GPU, every GPU counts."""
+    import mcore_rl.memory.monitor as monitor
+    from mcore_rl.memory.gpus import GpuMemory
+
+    p, _ = helper
+    procs = {0: {2**22 + 7: 70 * GiB}, 1: {p.pid: 20 * GiB}}  # GPU 0: another run's engine
+    monkeypatch.setattr(monitor, "_nvml_works", lambda: True)
+    monkeypatch.setattr(monitor, "all_gpus", lambda: [GpuMemory("GPU-0", 0, 80 * GiB, 71 * GiB, 0),
+                                                      GpuMemory("GPU-1", 1, 80 * GiB, 21 * GiB, 0)])
+    monkeypatch.setattr(monitor, "process_usage", lambda index: dict(procs[index]))
+    with PhaseMonitor(interval_s=0.01, roles={p.pid: "trainer"}) as mon:
+        mon.enter("train")
+        settle(mon, counter="gpu_samples")
+        ours = mon.take()
+        procs[1] = {}  # NVML names none of ours (a container's pid namespace): the fullest GPU, as before
+        settle(mon, counter="gpu_samples")
+        fallback = mon.take()
+    assert ours["memory/gpu_peak_gib_train"] == 21 and ours["memory/gpu_at_peak_gib_train_trainer"] == 20
+    assert fallback["memory/gpu_peak_gib_train"] == 71

@@ -139,10 +139,13 @@ class PhaseMonitor:
         gpus = all_gpus()
         if not gpus:
             return
-        top = max(gpus, key=lambda g: g.used)
-        split = None
-        if roles:
-            split = split_by_role(top.used, process_usage(top.index), roles, _process_tree(pids))
+        tree = _process_tree(pids)
+        usage = {g.index: process_usage(g.index) for g in gpus}
+        # this run's GPUs are those its processes hold memory on: a fuller GPU of another run on the
+        # same node (sessions side by side) is not ours; where NVML names none of them, all count
+        ours = {proc.pid for proc in tree}
+        top = max([g for g in gpus if ours & usage[g.index].keys()] or gpus, key=lambda g: g.used)
+        split = split_by_role(top.used, usage[top.index], roles, tree) if roles else None
         self._keep(phase, entered, {"gpu": top.used}, split)
 
     def _sample_host(self) -> None:
