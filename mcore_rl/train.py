@@ -112,9 +112,12 @@ class Phases:
                                    **guard)
 
     def to_train(self) -> None:
-        self.mon.enter("train")  # from the engine's release through the update
-        if self.colo is not None:
-            self.colo.to_train()
+        """The train phase starts once the engine has released its memory: readings during the
+        release are the rollout's level, which an H200's larger engine put above the train phase's."""
+        if self.colo is None:
+            self.mon.enter("train")
+        else:
+            self.colo.to_train(after_release=lambda: self.mon.enter("train"))
 
     def to_rollout(self, step: int, save=None) -> dict:
         """The engine gets the GPUs and the new weights; save() (a checkpoint) runs once the

@@ -81,10 +81,13 @@ class Colocation:
         if free < need:
             raise ResumeRefused(tag, need, free)
 
-    def to_train(self) -> None:
+    def to_train(self, after_release: Callable[[], None] | None = None) -> None:
+        """`after_release` runs once the engine's memory is back, before the trainer takes it."""
         if self.phase != "rollout":
             raise RuntimeError(f"to_train() called in phase {self.phase!r}")
         self._timed("release_rollout", self.engine.release, list(ROLLOUT_TAGS))
+        if after_release:
+            after_release()
         if self.offload_train_states:
             self._timed("onload_trainer", self.trainer.onload)
         self.phase = "train"
