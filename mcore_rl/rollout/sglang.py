@@ -259,6 +259,7 @@ class SGLangServer:
     def end_weight_update(self) -> None:
         if hasattr(self.engine, "end_weight_update"):
             _ok(self.engine.end_weight_update(), "end_weight_update")
+        self.engine.collective_rpc("mcore_rl_refresh_derived")  # what SGLang derived from the old weights
 
     def update_weights_from_tensor(self, payloads: list, load_format: str | None = None, flush_cache: bool = True):
         """One payload per tp rank of this engine: serialized buckets (CUDA IPC handles, from the
@@ -336,8 +337,7 @@ class SGLangServer:
     def resume(self, tags: list[str]) -> None:
         tags = check_tags(tags)
         self.engine.resume_memory_occupation(tags=tags)
-        if "weights" in tags:  # an FP8 model's KV scales are no synced weight (sglang_plugin says why)
-            self.engine.collective_rpc("mcore_rl_restore_kv_scales")
+        self.engine.collective_rpc("mcore_rl_refresh_derived")  # what the release lost (sglang_plugin)
 
     # ---- life ----------------------------------------------------------------------------------------
     def health(self) -> dict:

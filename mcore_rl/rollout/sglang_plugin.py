@@ -5,11 +5,16 @@ model is built.
 - `Scheduler.mcore_rl_weight_digests(path)`: digests of every parameter of this TP rank, written
   atomically to `path.tp{rank}.json`. Reached through `Engine.collective_rpc`, which reports only
   success, hence the file. This is how a sync is read back and verified.
-- `Scheduler.mcore_rl_restore_kv_scales()`: an FP8 model's attention layers hold their KV-cache
-  scales as tensors in the weights region (`k_scale`/`v_scale`, 1.0 from SGLang's post-load step,
-  no checkpoint weight, so no sync rewrites them) and divide every K they cache by `k_scale`
-  (triton MLA). A weights release leaves garbage there; the engine actor calls this after each
-  resume to write them back from the floats SGLang keeps beside them.
+- `Scheduler.mcore_rl_refresh_derived()`: state SGLang derives from the weights once and no sync
+  rewrites, written again; the engine actor calls it after each resume and each weight update.
+  - An FP8 model's attention layers hold their KV-cache scales as tensors in the weights region
+    (`k_scale`/`v_scale`, 1.0 from SGLang's post-load step, no checkpoint weight) and divide every
+    K they cache by `k_scale` (triton MLA). A weights release leaves garbage there: they are
+    written back from the floats SGLang keeps beside them.
+  - SGLang 0.5.17's GLM-4.5 router projects through an fp32 copy of its weight made at the first
+    forward (`_weight_fp32`, "must be invalidated" if the weight changes, says its FIXME): a sync
+    left the router on the first weights. The copy is rewritten in place (CUDA graphs hold its
+    address).
 - `Scheduler.mcore_rl_check_idle()`: fails unless every TP rank of the engine is fully idle.
   SGLang asserts idleness inside the scheduler when asked to release memory, and a failed assert
   there kills the scheduler and then the engine's process (seen right after `generate` returned);
@@ -64,8 +69,25 @@ def restore_kv_scales(model) -> int:
     return written
 
 
-def _scheduler_restore_kv_scales(self) -> None:
-    restore_kv_scales(self.tp_worker.model_runner.model)
+def refresh_fp32_copies(model) -> int:
+    """Rewrites each module's fp32 copy of its weight (`_weight_fp32`, SGLang 0.5.17's GLM-4.5
+    router) from the weight; returns how many were written."""
+    import torch
+
+    written = 0
+    with torch.no_grad():
+        for module in model.modules():
+            copy = getattr(module, "_weight_fp32", None)
+            if isinstance(copy, torch.Tensor):
+                copy.copy_(module.weight)
+                written += 1
+    return written
+
+
+def _scheduler_refresh_derived(self) -> None:
+    model = self.tp_worker.model_runner.model
+    restore_kv_scales(model)
+    refresh_fp32_copies(model)
 
 
 def _scheduler_check_idle(self) -> None:
@@ -104,7 +126,7 @@ def register() -> None:
 
     Scheduler.mcore_rl_weight_digests = _scheduler_weight_digests
     Scheduler.mcore_rl_check_idle = _scheduler_check_idle
-    Scheduler.mcore_rl_restore_kv_scales = _scheduler_restore_kv_scales
+    Scheduler.mcore_rl_refresh_derived = _scheduler_refresh_derived
     if os.environ.get("MCORE_RL_SEEDED_SAMPLING") == "1":
         _seeded_sampling()
     if os.environ.get("MCORE_RL_SGLANG_CPU") == "1":

@@ -23,6 +23,8 @@ not norms, the router, embeddings or lm_head. Each has a `weight_scale_inv` rule
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -87,10 +89,26 @@ SGLANG_RULES = WEIGHT_RULES + SCALE_RULES + (
 
 def keeps_fp32(name: str, hf) -> bool:
     """HF tensors the engine holds in fp32 whatever the model's dtype, so the sync sends them in
-    fp32: the expert bias (fp32 in HF, megatron and SGLang alike) and GLM-4.5's router weight
-    (SGLang's Glm4MoeGate is an fp32 parameter)."""
+    fp32: the expert bias (fp32 in HF, megatron and SGLang alike) and GLM-4.5's router weight where
+    SGLang's Glm4MoeGate is an fp32 parameter (`sglang_gate_is_fp32`)."""
     return name.endswith("e_score_correction_bias") or (
-        hf.model_type == "glm4_moe" and name.endswith(".mlp.gate.weight"))
+        hf.model_type == "glm4_moe" and name.endswith(".mlp.gate.weight") and sglang_gate_is_fp32())
+
+
+@functools.cache
+def sglang_gate_is_fp32() -> bool:
+    """SGLang 0.5.20 (CI's) holds GLM-4.5's router weight in fp32; 0.5.17 (the GPU machines') in the
+    model's dtype, projecting through an fp32 copy it makes once (mcore_rl.rollout.sglang_plugin
+    keeps that copy current). Versions between were not checked: a wrong guess fails the first
+    sync's read-back. Without SGLang installed, the newer layout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("sglang")).release >= (0, 5, 20)
+    except PackageNotFoundError:
+        return True
 
 
 def _rule(name: str, hf) -> Place:
