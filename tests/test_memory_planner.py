@@ -197,8 +197,9 @@ def _moonlight_train(**kw) -> dict:
 def test_recompute_choices_keep_what_the_docstring_says():
     c = MOONLIGHT
     T, H, tp, L = 8192, c["hidden_size"], 2, c["num_hidden_layers"]
-    moe = T * c["num_experts_per_tok"] // tp * (4 * H + 3 * c["moe_intermediate_size"]) * 2
-    dense_layer, moe_layer = 21 * T * H // tp, 21 * T * H // tp + moe
+    moe = T * c["num_experts_per_tok"] // tp * (2 * H + 3 * c["moe_intermediate_size"]) * 2
+    dispatch = T * c["num_experts_per_tok"] // tp * 2 * H * 2  # ep 8: its two copies, kept by every choice
+    dense_layer, moe_layer = 21 * T * H // tp, 21 * T * H // tp + moe + dispatch
     head = 2 * T * c["vocab_size"]  # no response rows
     act = lambda **kw: _moonlight_train(**kw)["megatron activations"]  # noqa: E731
     assert act() == dense_layer + 26 * moe_layer + head

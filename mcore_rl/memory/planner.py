@@ -14,18 +14,20 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                ppo_max_token_len_per_gpu with dynamic batching), n = its response tokens (the rows
                whose log-probs are taken; T * max_response_len / (max_prompt_length +
                max_response_len) unless given):
-               per layer ACT * T * h / tp, plus T * topk / tp * ((2 + 2 [ep > 1]) h + 3 * I_moe / etp) * 2
-               for the routed experts of an MoE layer (balanced routing: each rank of the EP group
-               gets its share of the T / tp tokens every TP rank holds under sequence parallelism).
-               The 2 h more at ep > 1: the EP=2 runs named below hold two more copies of each routed
-               token's hidden state per MoE layer than the EP=1 runs (sent and received sides of
-               the dispatch), about 1 GiB a layer at 16 k tokens.
+               per layer ACT * T * h / tp, plus T * topk / tp * (2h + 3 * I_moe / etp) * 2 for the
+               routed experts of an MoE layer (balanced routing: each rank of the EP group gets its
+               share of the T / tp tokens every TP rank holds under sequence parallelism), and at
+               ep > 1 T * topk / tp * 2h * 2 for the dispatch: the EP=2 runs named below hold two
+               more copies of each routed token's hidden state per MoE layer than the EP=1 runs
+               (its sent and received sides), about 1 GiB a layer at 16 k tokens, and selective
+               "moe" recompute does not drop them.
                ACT depends on the packed attention (actor.packed_attention). "varlen" (one flash
                call, the GPU default): ACT = 21, fitted on seven 2 x H200 EP=2 runs of 8 Moonlight
                layers at 14-16 k-token micro-batches (benchmarks/RESULTS.md, issue 15): every
                recompute and offload choice within 2.3 % of the measured peak; then, with the EP
                term split off, on 1 x H100 and 1 x H200 EP=1 loop runs of 4 and 8 layers at 16 k
-               tokens (a flat 42 at every EP was 5-6 % high there). Korthikanti et al.'s
+               tokens (a flat 42 at every EP was 5-6 % high there); at EP=1 and 6.3 k tokens
+               (actor_bench on 1 x H100, not fitted) every memory option is 0.2-4.6 % under. Korthikanti et al.'s
                34 (bf16, sequence parallel, flash attention) leaves out MLA's wider q/k/v, RoPE'd
                copies, norms in fp32, shared experts, router and dispatch. "sdpa" (an SDPA call per
                sequence; MLA's unequal q/v widths keep it off flash kernels, so each sequence's
@@ -293,17 +295,17 @@ def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
     T, h, E = i.micro_tokens, hf.hidden_size, hf.num_experts
     layers = stage_layers(hf, i.pp)[stage]
 
-    copies = 2 + DISPATCH_COPIES * (i.ep > 1)
-    routed = T * hf.num_experts_per_tok // i.tp * (copies * h + 3 * hf.moe_intermediate_size // i.etp) * 2
+    routed = T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
+    dispatch = T * hf.num_experts_per_tok // i.tp * DISPATCH_COPIES * h * 2 * (i.ep > 1)
 
     def full(layer: int) -> int:
-        return ACT[i.packed_attention] * T * h // i.tp + routed * hf.is_moe_layer(layer)
+        return ACT[i.packed_attention] * T * h // i.tp + (routed + dispatch) * hf.is_moe_layer(layer)
 
     def selective(layer: int) -> int:  # what rerunning recompute_modules in backward leaves stored
         a = full(layer)
         if hf.is_moe_layer(layer) and "moe" in i.recompute_modules:
             shared = hf.num_shared_experts * hf.moe_intermediate_size
-            a -= routed + T * (8 * shared + 16 * E) // i.tp
+            a -= routed + T * (8 * shared + 16 * E) // i.tp  # the dispatch's copies stay
         elif not hf.is_moe_layer(layer) and "mlp" in i.recompute_modules:
             a -= T * 8 * hf.intermediate_size // i.tp
         return a
