@@ -159,9 +159,13 @@ def compare_modes(config: str, overrides: list[str], modes: list[str], out: str)
         samples = len(later) * cfg.data.train_batch_size * cfg.rollout.n
         means = {k.split("/")[1]: statistics.mean(s[k] for s in later) if all(k in s for s in later) else None
                  for k in MODE_METRICS}  # None: the mode does not log it (sync: no async/*)
+        # where a step's time goes, to explain a mode's samples/s (each phase's median over the later steps)
+        phases = {k: statistics.median(s[k] for s in later) for k in ("timing/step", *PHASES)
+                  if later and all(k in s for s in later)}
         rows.append({"mode": mode, "overrides": args, "steps": len(trained),
                      "samples_per_s": samples / (trained[-1]["time"] - trained[0]["time"]),
-                     "reward_last3": statistics.mean(s["reward/mean"] for s in trained[-3:]), **means})
+                     "reward_last3": statistics.mean(s["reward/mean"] for s in trained[-3:]), **means,
+                     "phases_s": phases})
         write_json({"config": config, "overrides": overrides, "modes": rows}, out)  # kept if a later mode is cut
         print(f"{mode}: {rows[-1]['samples_per_s']:.2f} samples/s", flush=True)
     base = next((r["samples_per_s"] for r in rows if r["mode"] == "sync"), None)

@@ -86,6 +86,10 @@ PY
         cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 parallel.ep=1 rollout.tp_size=1 \
         "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 \
         trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
+    resume_check)  # issue 24: a resumed run's next step against the uninterrupted run's, on the same batch
+      timeout "${LIMIT:-590}" python3 benchmarks/resume_check.py --config configs/moonlight_2gpu.yaml \
+        --out "$OUT/resume_${LAYERS:-4}L.json" cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 \
+        model.hf_config.num_hidden_layers="${LAYERS:-4}" "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
     driver_cuda)  # does the driver's memory plan start a CUDA context (it holds GPU memory all run)?
       python3 -c "import torch; from mcore_rl import config as C; from mcore_rl.plan import plan_for_config
 cfg = C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1', 'rollout.tp_size=1'])
