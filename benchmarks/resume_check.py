@@ -111,7 +111,8 @@ def main() -> int:
         run(["--replay", dumps, *common, "trainer.save_freq=-1", "trainer.save_last=true"],
             os.path.join(work, "resumed.log"))
         with open(os.path.join(work, "resumed.log")) as f:
-            resumed_from = next((line.split("resumed from")[1].split()[0] for line in f if "resumed from" in line), None)
+            resumed_from = next((line.split("resumed from")[1].split()[0] for line in f
+                                 if "resumed from" in line), None)
         want = step_metrics(os.path.join(work, "uninterrupted_metrics.jsonl"), n)
         got = step_metrics(os.path.join(run_dir, "metrics.jsonl"), n)
         # a replay has no engine: its generation's own figures (tokens/s, routes) are not logged

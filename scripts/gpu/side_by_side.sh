@@ -2,7 +2,8 @@
 # Independent sessions side by side, one per GPU of a multi-GPU machine: each sees only its GPU
 # (CUDA_VISIBLE_DEVICES; our NVML readings follow it by UUID), starts its own loopback Ray and
 # writes under $OUT/gN with its temporary files in /tmp/gN. Each argument is one GPU's session:
-#   bash scripts/gpu/side_by_side.sh "STEPS=26 bash scripts/gpu/session.sh run50" "LAYERS=8 bash scripts/gpu/session.sh loop1gpu"
+#   bash scripts/gpu/side_by_side.sh "STEPS=25 bash scripts/gpu/session.sh run50" \
+#     "LAYERS=8 bash scripts/gpu/session.sh loop1gpu"
 # Run `ray stop --force` before, never between: the sessions' clusters live side by side.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
