@@ -36,6 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.harness import table, write_json  # noqa: E402
+from mcore_rl.plot import records_by_step  # noqa: E402
 
 NOT_LEARNING = ("time", "timing/", "perf/", "memory/", "sync/", "checkpoint/")
 
@@ -50,12 +51,7 @@ def run(args: list[str], log: str) -> None:
 
 
 def step_metrics(path: str, step: int) -> dict:
-    merged = {}
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r["step"] == step:
-                merged.update(r)
+    merged = records_by_step(path)[step]
     return {k: v for k, v in merged.items() if k != "step" and not k.startswith(NOT_LEARNING)}
 
 

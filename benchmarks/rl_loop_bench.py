@@ -30,7 +30,6 @@ each the mean over steps 2..N.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -44,6 +43,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.flops import MATMUL_PEAK, attention_flops_per_token  # noqa: E402
 from benchmarks.harness import table, write_json  # noqa: E402
+from mcore_rl.plot import records_by_step  # noqa: E402
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
           "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "timing/resume_kv_cache")
@@ -95,12 +95,7 @@ def run_loop(config: str, overrides: list[str], out: str) -> tuple[dict[int, dic
         log = p.communicate()[0]
     if p.returncode:
         sys.exit("the RL loop failed:\n" + log[-4000:])
-    steps: dict[int, dict] = {}
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            steps.setdefault(r["step"], {}).update(r)
-    return steps, mon.take()
+    return records_by_step(os.path.join(out, "metrics.jsonl")), mon.take()
 
 
 def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int, repeats: int = 3) -> float:

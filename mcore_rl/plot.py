@@ -33,8 +33,8 @@ PANELS: dict[str, tuple[str, str, Callable[[str], bool]]] = {
 }
 
 
-def load_metrics(path: str) -> Series:
-    """{metric: (steps, values)} sorted by step. A step's records merge, the later one winning a key
+def records_by_step(path: str) -> dict[int, dict]:
+    """A run's metrics.jsonl as {step: record}. A step's records merge, the later one winning a key
     both have: the loop logs a step twice (its training, then its sync, save and validation)."""
     by_step: dict[int, dict] = {}
     with open(path) as f:
@@ -47,6 +47,12 @@ def load_metrics(path: str) -> Series:
                 print(f"[plot] skipping unreadable line {line_no} of {path}", file=sys.stderr)
                 continue
             by_step.setdefault(int(record["step"]), {}).update(record)
+    return by_step
+
+
+def load_metrics(path: str) -> Series:
+    """{metric: (steps, values)} sorted by step, from `records_by_step`."""
+    by_step = records_by_step(path)
     series: Series = {}
     for step in sorted(by_step):
         for key, value in by_step[step].items():
