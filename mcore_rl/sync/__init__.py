@@ -31,7 +31,8 @@ def sync_weights(plan: SyncPlan, shards: LiveShards, transport, check=None, obse
         transport.send(named, last=i == len(parts) - 1)
         del named
     transport.end()
-    stats = {"seconds": time.perf_counter() - t0, "bytes": sent, "buckets": len(parts)}
+    stats = {"seconds": time.perf_counter() - t0, "bytes": sent, "buckets": len(parts),
+             "engine_wait_seconds": transport.engine_wait_s}
     if check is not None:
         check(plan)
     return stats

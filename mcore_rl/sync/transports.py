@@ -1,8 +1,9 @@
 """How a bucket reaches the engine: one small class per path, behind one interface.
 
-- CudaIpcTransport: colocated engines. Each trainer rank flattens its bucket into one buffer on its
+- CudaIpcTransport: colocated engines. Each trainer rank flattens its bucket into a buffer on its
   own GPU and serializes it (CUDA IPC handle, not data); the driver hands SGLang one payload per
-  engine tp rank (`update_weights_from_tensor(load_format="flattened_bucket")`).
+  engine tp rank (`update_weights_from_tensor(load_format="flattened_bucket")`), and the next
+  bucket is gathered while the engine loads this one.
 - NcclBroadcastTransport: engines on other GPUs. The driver broadcasts each flattened bucket over a
   group it shares with every engine rank (`init_weights_update_group` /
   `update_weights_from_distributed(load_format="flattened_bucket")`).
@@ -29,6 +30,8 @@ from mcore_rl.sync.bucket import flatten, layout
 
 class Transport:
     """Called on every trainer rank in lockstep; only the driver talks to the engine."""
+
+    engine_wait_s = 0.0  # of a sync, the seconds the driver only waited for the engine (pipelined ones)
 
     def __init__(self, engine, driver: int = 0):
         self.engine, self.driver = engine, driver
@@ -75,7 +78,11 @@ def by_value():
 
 class CudaIpcTransport(Transport):
     """`engine_rank_of[trainer rank]` is the index of the payload it produces in the list the
-    engine call takes: its engine tp rank, or engine * tp_size + tp rank with several engines."""
+    engine call takes: its engine tp rank, or engine * tp_size + tp rank with several engines.
+
+    Pipelined: the engine loads bucket k (its own process, a thread here waits for it) while every
+    rank gathers and flattens bucket k + 1 into the other of two buffers. A buffer is written again
+    only once the engine call that read it has returned and every rank has heard so (a barrier)."""
 
     def __init__(self, engine, engine_rank_of: dict[int, int], driver: int = 0, serializer=None,
                  meta_cls=None, group=None):
@@ -83,10 +90,17 @@ class CudaIpcTransport(Transport):
         if serializer is None or meta_cls is None:
             serializer, meta_cls = sglang_wire()
         self.engine_rank_of, self.serialize, self.meta_cls, self.group = engine_rank_of, serializer, meta_cls, group
-        self._buffer: torch.Tensor | None = None  # one per sync, reused by every bucket
+        self._buffers: list[torch.Tensor | None] = [None, None]  # per sync, alternating between buckets
+        self._sent = 0
+        self._pending: _Concurrently | None = None  # the driver's engine call still loading
+
+    def begin(self) -> None:
+        self._sent, self.engine_wait_s = 0, 0.0
+        super().begin()
 
     def send(self, named, last):
-        flat, metas = flatten(named, out=self._buffer_for(named))
+        flat, metas = flatten(named, out=self._buffer_for(named, self._sent % 2))
+        self._sent += 1
         payload = None
         if dist.get_rank() in self.engine_rank_of:
             payload = self.serialize({"flattened_tensor": flat,
@@ -94,33 +108,49 @@ class CudaIpcTransport(Transport):
         gathered = [None] * dist.get_world_size(self.group) if self.is_driver else None
         dist.gather_object(payload, gathered, dst=self.driver, group=self.group)
         if self.is_driver:
+            self._wait()  # the previous bucket's load: its buffer is the next one written
             per_rank = [None] * len(self.engine_rank_of)
             for t, r in self.engine_rank_of.items():
                 per_rank[r] = gathered[t]
-            self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket", flush_cache=last)
-        dist.barrier(group=self.group)  # the engine has copied out of every rank's buffer
+            self._pending = _Concurrently(self.engine.update_weights_from_tensor, payloads=per_rank,
+                                          load_format="flattened_bucket", flush_cache=last)
+        dist.barrier(group=self.group)  # the previous bucket's buffer is free on every rank
 
-    def _buffer_for(self, named) -> torch.Tensor | None:
-        """The sync's one bucket buffer, grown to fit `named`: the trainer's share of the sync phase
-        stays one bucket plus the gathers filling it, whatever the bucket count (its allocator peaked
-        at 1.36 GiB with 512 MiB buckets at Moonlight widths). A block sent over IPC goes back to the
-        allocator only once the engine has let go of it, so fresh buffers could pile up."""
+    def _wait(self) -> None:
+        if self._pending is not None:
+            t0 = time.perf_counter()
+            pending, self._pending = self._pending, None
+            pending.join()  # re-raises the engine's error
+            self.engine_wait_s += time.perf_counter() - t0
+
+    def _buffer_for(self, named, which: int) -> torch.Tensor | None:
+        """Bucket buffer `which`, grown to fit `named`: the trainer's share of the sync phase stays
+        two buckets plus the gathers filling one, whatever the bucket count. A block sent over IPC
+        goes back to the allocator only once the engine has let go of it, so fresh buffers per
+        bucket could pile up."""
         from mcore_rl.memory.allocator import ipc_shareable
 
         if not named or named[0][1].device.type != "cuda":
-            return None  # CPU buckets travel by value
+            return None  # CPU buckets travel by value, a new one each time
         need = layout([(n, t.shape, t.dtype) for n, t in named])[1]
-        if self._buffer is None or self._buffer.numel() < need:
-            self._buffer = None  # the smaller one goes first
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < need:
+            self._buffers[which] = None  # the smaller one goes first
             with ipc_shareable():  # the engine maps this buffer through CUDA IPC
-                self._buffer = torch.empty(need, dtype=torch.uint8, device=named[0][1].device)
-        return self._buffer
+                self._buffers[which] = torch.empty(need, dtype=torch.uint8, device=named[0][1].device)
+        return self._buffers[which]
 
     def end(self) -> None:
-        super().end()
-        if self._buffer is not None:
-            self._buffer = None
-            torch.cuda.ipc_collect()  # frees it once the engine has let go of its mapping
+        try:
+            if self.is_driver:
+                self._wait()
+            dist.barrier(group=self.group)  # the last bucket's buffer too is free on every rank
+            super().end()
+        finally:
+            self._pending = None
+            if any(b is not None for b in self._buffers):
+                self._buffers = [None, None]
+                torch.cuda.ipc_collect()  # frees them once the engine has let go of its mappings
 
 
 class _Concurrently:
