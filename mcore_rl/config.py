@@ -142,7 +142,7 @@ class MemoryConfig(Section):
         "megatron's optimizer_cpu_offload). The moments leave the GPU; main params stay."))
     saver_hook_mode: Literal["preload", "torch"] = Field("preload", description="torch: CUDA graphs cannot be released")
     auto_mem_fraction: bool = Field(True, description="pick rollout.mem_fraction_static; false: check the set one")
-    sync_bucket_mb: int = Field(512, ge=1, description="weight-sync bucket (two are resident, outside saver regions)")
+    sync_bucket_mb: int = Field(512, ge=1, description="weight-sync bucket (two in flight plus the gathers filling one, outside saver regions)")
     expandable_segments: bool = Field(True, description=(
         "the trainer's CUDA allocator maps pages into growing segments: what it reserves follows what it "
         "allocates across the offload/onload cycles (mcore_rl.memory.allocator); GPU only"))

@@ -122,16 +122,13 @@ class Phases:
     def to_rollout(self, step: int, save=None) -> dict:
         """The engine gets the GPUs and the new weights; save() (a checkpoint) runs once the
         trainer's states are offloaded, when colocated, so it writes their host copies."""
-        def after_offload() -> dict:  # the offload counts to the train phase, the save to its own
-            out = save() if save else {}
-            self.mon.enter("sync")
-            return out
-
+        enter_sync = lambda: self.mon.enter("sync")  # noqa: E731 - the offload counts to the train phase
         if self.colo is None:
-            out = after_offload()
+            out = save() if save else {}
+            enter_sync()
             out.update(self.sync(step) if self.sync is not None else {})
         else:
-            out = self.colo.to_rollout(after_offload=after_offload, step=step)
+            out = self.colo.to_rollout(after_offload=save, before_sync=enter_sync, step=step)
             out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
         self.mon.enter("rollout")
         return out
@@ -141,8 +138,8 @@ class _Trainer:
     def __init__(self, group):
         self.group = group
 
-    def offload(self):
-        return self.group.call("offload_states")
+    def offload(self, weights: bool = True):
+        return self.group.call("offload_states", weights)
 
     def onload(self):
         self.group.call("onload_states")

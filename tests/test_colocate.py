@@ -58,8 +58,8 @@ class Recorder:
     def resume(self, tags):
         self.log.append((self.name, "resume", tuple(tags)))
 
-    def offload(self):
-        self.log.append((self.name, "offload"))
+    def offload(self, weights=True):
+        self.log.append((self.name, "offload" if weights else "offload all but weights"))
 
     def onload(self):
         self.log.append((self.name, "onload"))
@@ -68,13 +68,17 @@ class Recorder:
 def test_choreography_order_and_guard():
     log = []
     co = Colocation(Recorder(log, "engine"), Recorder(log, "trainer"), lambda: log.append(("sync",)))
-    co.to_train()
-    co.to_rollout()
-    assert log == [("engine", "release", ("kv_cache", "weights", "cuda_graph")), ("trainer", "onload"),
-                   ("trainer", "offload"), ("engine", "resume", ("weights",)), ("sync",),
+    co.to_train(after_release=lambda: log.append(("train phase",)))
+    out = co.to_rollout(before_sync=lambda: log.append(("sync phase",)),
+                        after_offload=lambda: log.append(("save",)) or {"saved": 1})
+    # the sync reads the trainer's weights on the GPU; the save writes every state from the host
+    assert log == [("engine", "release", ("kv_cache", "weights", "cuda_graph")), ("train phase",),
+                   ("trainer", "onload"), ("trainer", "offload all but weights"), ("sync phase",),
+                   ("engine", "resume", ("weights",)), ("sync",), ("trainer", "offload"), ("save",),
                    ("engine", "resume", ("kv_cache", "cuda_graph"))]
+    assert out == {"saved": 1}
     assert set(co.timings) == {"release_rollout", "onload_trainer", "offload_trainer", "resume_weights",
-                               "sync", "resume_kv_cache"}
+                               "sync", "offload_weights", "resume_kv_cache"}
     with pytest.raises(RuntimeError, match="to_rollout"):
         co.to_rollout()
     # a resume the plan says cannot fit is refused before the engine is touched

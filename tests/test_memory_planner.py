@@ -276,6 +276,20 @@ def test_picked_mem_fraction_leaves_room_for_graphs_and_activations():
     assert plan.total("rollout") <= i.capacity
 
 
+def test_sync_phase_holds_the_trainers_weights_it_reads():
+    """Colocated, the sync reads the trainer's weights on the GPU: they leave after it, the grads
+    and optimizer states before it; not offloaded, everything stays (and counts) anyway."""
+    hf = HFModel.from_dict(MOONLIGHT)
+    i = PlanInputs(capacity=80 * GiB, world=16, tp=2, ep=8, rollout_tp=16, rollout_ep=16)
+    plan = make_plan(hf, i)
+    sync, train = plan.phases["sync"], plan.phases["train"]
+    assert sync["megatron weights"] == train["megatron weights"] > 0
+    assert "megatron optimizer" not in sync and "megatron grads" not in sync
+    assert sync["sync buckets"] == 3 * i.sync_bucket
+    kept = make_plan(hf, dataclasses.replace(i, offload_train_states=False)).phases["sync"]
+    assert kept["megatron weights"] == train["megatron weights"] and kept["megatron optimizer"] > 0
+
+
 def run_cli(*args):
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, "-m", "mcore_rl.plan", *args], cwd=ROOT, env=env,

@@ -23,7 +23,7 @@ class Checkpoints:
         from mcore_rl.optim_state import save as save_optim
 
         self.finish_save()
-        read = self._state_offloader().read if self.device.type == "cuda" else None
+        read = self.read_state
         os.makedirs(os.path.join(step_dir, "optim"), exist_ok=True)
         saves = [ModelSave(model, os.path.join(step_dir, name), read=read) for name, model, _ in self._parts()]
 

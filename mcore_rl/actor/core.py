@@ -145,12 +145,11 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         return out
 
     def setup_sync(self, spec) -> None:
-        """Plan, live shards and transport for syncing into the rollout engines, built once.
-        Offloaded weights are read from their host copies (streamed bucket by bucket)."""
+        """Plan, live shards and transport for syncing into the rollout engines, built once. The
+        weights are read where they are (offloaded ones from their host copies)."""
         from mcore_rl.sync.session import SyncSession
 
-        read = self._state_offloader().read if self.device.type == "cuda" else None
-        self.sync_session = SyncSession(self.model, spec, read=read)
+        self.sync_session = SyncSession(self.model, spec, read=self.read_state)
 
     def sync_weights(self, verify: bool = False) -> dict:
         if self.device.type != "cuda":

@@ -10,12 +10,21 @@ from mcore_rl import optim
 
 
 class MemoryMoves:
-    def _state_offloader(self):
-        if getattr(self, "_offloader", None) is None:
+    def _offloaders(self):
+        """Two StorageOffloaders: the policy's weights, which the weight sync reads on the GPU and
+        which go to the host after it, and every other training state, which goes before it."""
+        if getattr(self, "_offload", None) is None:
             from mcore_rl.memory.offload import StorageOffloader
 
-            self._offloader = StorageOffloader(self._train_state_tensors)
-        return self._offloader
+            self._offload = (StorageOffloader(self._weight_tensors), StorageOffloader(self._other_state_tensors))
+        return self._offload
+
+    def _weight_tensors(self):
+        return self.model.parameters()
+
+    def _other_state_tensors(self):
+        weights = {p.untyped_storage()._cdata for p in self._weight_tensors()}
+        return (t for t in self._train_state_tensors() if t.untyped_storage()._cdata not in weights)
 
     def _train_state_tensors(self):
         """Params, grad buffers (through main_grad views) and optimizer states of policy and critic."""
@@ -29,10 +38,21 @@ class MemoryMoves:
                 yield from (p for g in inner.param_groups for p in g["params"])
                 yield from (v for st in inner.state.values() for v in st.values() if torch.is_tensor(v))
 
+    def read_state(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`'s values wherever they are now: `t` itself, or the same view of its host copy."""
+        if self.device.type != "cuda":
+            return t
+        for off in self._offloaders():
+            got = off.read(t)
+            if got is not t:
+                return got
+        return t
+
     def state_bytes(self) -> int:
         """Bytes of this rank's training state, on the device or offloaded (the host copies)."""
         seen, total = set(), 0
-        host = self._state_offloader().by_storage if self.device.type == "cuda" else {}
+        host = {k: v for off in self._offloaders() for k, v in off.by_storage.items()} \
+            if self.device.type == "cuda" else {}
         for t in self._train_state_tensors():
             s = t.untyped_storage()
             if s._cdata not in seen:
@@ -40,10 +60,15 @@ class MemoryMoves:
                 total += host[s._cdata].numel() if s._cdata in host else s.nbytes()
         return total
 
-    def offload_states(self) -> int:
-        """Params, grads and optimizer states to pinned host memory while a colocated engine runs."""
+    def offload_states(self, weights: bool = True) -> int:
+        """Grads and optimizer states, and with `weights` the policy's weights too, to pinned host
+        memory while a colocated engine runs. The choreography syncs the engine from the weights
+        on the GPU (no host-to-device stream per tensor), then offloads them."""
         self._writes_done()
-        return self._state_offloader().offload() if self.device.type == "cuda" else 0
+        if self.device.type != "cuda":
+            return 0
+        weight_part, others = self._offloaders()
+        return others.offload() + (weight_part.offload() if weights else 0)
 
     def onload_states(self) -> None:
         self._writes_done()
@@ -52,7 +77,8 @@ class MemoryMoves:
             self._peaks = {"memory/trainer_offloaded_allocated_gib": torch.cuda.memory_allocated() / 2**30,
                            "memory/trainer_offloaded_reserved_gib": torch.cuda.memory_reserved() / 2**30}
             torch.cuda.reset_peak_memory_stats()
-            self._state_offloader().onload()
+            for off in self._offloaders():
+                off.onload()
             self._allocator_peak("onload")
 
     def gpu_free_bytes(self) -> int:

@@ -1,11 +1,12 @@
 """Colocated training and rollout on the same GPUs, one phase change at a time.
 
     to_train():   engine releases kv_cache, weights, cuda_graph -> trainer onloads its states
-    to_rollout(): trainer offloads -> engine resumes weights -> weights are synced
-                  -> engine resumes kv_cache, cuda_graph
+    to_rollout(): trainer offloads all but its weights -> engine resumes weights -> weights are
+                  synced -> trainer offloads its weights -> engine resumes kv_cache, cuda_graph
 
 Weights come back before the KV cache so the sync never competes with the KV pool for
-memory, and every resume is checked against free memory first (`ResumeRefused`), so a resume
+memory; the trainer's weights stay on the GPU for the sync, which reads them there instead of
+streaming each tensor from its host copy (the sync phase holds both sides' weights); every resume is checked against free memory first (`ResumeRefused`), so a resume
 that cannot fit fails with a Python error on every rank instead of a silent exit(1) in one.
 Sync and IPC buffers belong to neither side: allocate them outside any memory-saver region.
 """
@@ -27,7 +28,7 @@ class Engine(Protocol):
 
 
 class Trainer(Protocol):
-    def offload(self) -> object: ...
+    def offload(self, weights: bool = True) -> object: ...  # weights=False: all the rest
 
     def onload(self) -> None: ...
 
@@ -92,17 +93,23 @@ class Colocation:
             self._timed("onload_trainer", self.trainer.onload)
         self.phase = "train"
 
-    def to_rollout(self, after_offload: Callable[[], dict] | None = None, **sync_kwargs):
+    def to_rollout(self, after_offload: Callable[[], dict] | None = None,
+                   before_sync: Callable[[], None] | None = None, **sync_kwargs):
         """Returns what the sync returned (its stats), updated with what `after_offload` (run while
-        the trainer's states are on the host and the engine still released: a checkpoint) returned."""
+        the trainer's states are on the host and the KV cache still released: a checkpoint)
+        returned. `before_sync` runs once the trainer's other states are offloaded."""
         if self.phase != "train":
             raise RuntimeError(f"to_rollout() called in phase {self.phase!r}")
         if self.offload_train_states:
-            self._timed("offload_trainer", self.trainer.offload)
-        extra = after_offload() if after_offload else {}
+            self._timed("offload_trainer", self.trainer.offload, weights=False)
+        if before_sync:
+            before_sync()
         self._check("weights")
         self._timed("resume_weights", self.engine.resume, ["weights"])
         out = self._timed("sync", self.sync, **sync_kwargs)
+        if self.offload_train_states:
+            self._timed("offload_weights", self.trainer.offload)
+        extra = after_offload() if after_offload else {}
         self._check("kv_cache")
         self._timed("resume_kv_cache", self.engine.resume, ["kv_cache", "cuda_graph"])
         self.phase = "rollout"

@@ -77,12 +77,13 @@ Measured per process on an H100 at Moonlight widths (4 layers, the monitor's spl
 peak): the trainer 3.5 GiB with its states offloaded and its allocator empty (CUDA context,
 kernels and NCCL's communicators, which appear with the first update: 1.3 GiB before it), the
 released engine 2.6 GiB (context, NCCL, its allocator's cache, the buffers SGLang stashes); the
-default 6 GiB is their sum. In the sync phase, 2 sync buckets of memory.sync_bucket_mb: the
-trainer's bucket buffer and the gathers filling it (its allocator peaked at 1.36 GiB with 512 MiB
-buckets); the sync frees them (`empty_cache`) before the rollout.
+default 6 GiB is their sum. In the sync phase, 3 sync buckets of memory.sync_bucket_mb: the
+trainer's two bucket buffers (the engine loads one while the next is filled) and the gathers
+filling one (with one buffer, its allocator peaked at 1.36 GiB with 512 MiB buckets); the sync
+frees them (`empty_cache`) before the rollout.
 
-Phases: train (engine released), sync (engine weights resumed, trainer released), rollout
-(KV cache and CUDA graphs resumed). A phase over capacity raises PlanError(phase, shortfall).
+Phases: train (engine released), sync (engine weights resumed, trainer's weights still on the GPU,
+its other states released), rollout (KV cache and CUDA graphs resumed). A phase over capacity raises PlanError(phase, shortfall).
 
 Host memory per node (`mcore_rl.memory.host`, given HostInputs): made with the GPU plan, shown
 after its table, and refused (HostPlanError, a PlanError) once the GPU plan fits.
@@ -103,6 +104,7 @@ if TYPE_CHECKING:  # host.py imports this module
 GiB = 1 << 30
 MiB = 1 << 20
 PHASES = ("train", "sync", "rollout")
+SYNC_BUCKETS = 3  # two bucket buffers in flight and the gathers filling one (docstring)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -378,7 +380,9 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
     train, rest = stages[worst_train], stages[worst_rest]
     residue = {} if i.offload_train_states else {k: rest[k] for k in states}
     always = {"reserved (contexts, NCCL)": i.reserved}
-    buckets = {"sync buckets": 2 * i.sync_bucket}
+    buckets = {"sync buckets": SYNC_BUCKETS * i.sync_bucket}
+    # offloaded states leave in two parts: the weights after the sync, which reads them on the GPU
+    synced_from = {} if residue else {"megatron weights": rest["megatron weights"]}
     w_engine, graphs = engine_weight_bytes(hf, i), cuda_graph_bytes(hf, i)
     act_engine = engine_activation_bytes(hf, i)
     pinned = {"engine cuda graphs": graphs} if i.hook_mode == "torch" else {}
@@ -392,7 +396,7 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
     per_token = kv_bytes_per_token(hf, i.rollout_tp)
     phases = {
         "train": {**always, **pinned, **train},
-        "sync": {**always, **pinned, **residue, **buckets, "engine weights": w_engine},
+        "sync": {**always, **pinned, **residue, **synced_from, **buckets, "engine weights": w_engine},
         "rollout": {**always, **pinned, **residue, "engine weights": w_engine, "engine kv cache": kv,
                     "engine cuda graphs": graphs, "engine activations": act_engine},
     }
