@@ -32,6 +32,7 @@ class Transport:
     """Called on every trainer rank in lockstep; only the driver talks to the engine."""
 
     engine_wait_s = 0.0  # of a sync, the seconds the driver only waited for the engine (pipelined ones)
+    engine_call_s = 0.0  # of a sync, the seconds its engine calls took, from issue to return (pipelined ones)
 
     def __init__(self, engine, driver: int = 0):
         self.engine, self.driver = engine, driver
@@ -95,7 +96,7 @@ class CudaIpcTransport(Transport):
         self._pending: _Concurrently | None = None  # the driver's engine call still loading
 
     def begin(self) -> None:
-        self._sent, self.engine_wait_s = 0, 0.0
+        self._sent, self.engine_wait_s, self.engine_call_s = 0, 0.0, 0.0
         super().begin()
 
     def send(self, named, last):
@@ -122,6 +123,7 @@ class CudaIpcTransport(Transport):
             pending, self._pending = self._pending, None
             pending.join()  # re-raises the engine's error
             self.engine_wait_s += time.perf_counter() - t0
+            self.engine_call_s += pending.seconds
 
     def _buffer_for(self, named, which: int) -> torch.Tensor | None:
         """Bucket buffer `which`, grown to fit `named`: the trainer's share of the sync phase stays
@@ -158,15 +160,18 @@ class _Concurrently:
     re-raises the call's error (an engine that refused must not look like a finished update)."""
 
     def __init__(self, fn, **kwargs):
-        self.error = None
+        self.error, self.seconds = None, 0.0  # seconds: how long the call took
         self.thread = threading.Thread(target=self._run, args=(fn, kwargs), daemon=True)
         self.thread.start()
 
     def _run(self, fn, kwargs):
+        t0 = time.perf_counter()
         try:
             fn(**kwargs)
         except BaseException as e:  # noqa: BLE001 - handed to the joining thread
             self.error = e
+        finally:
+            self.seconds = time.perf_counter() - t0
 
     def failed(self) -> bool:
         return not self.thread.is_alive() and self.error is not None
