@@ -61,7 +61,7 @@ def optimizer_pieces(step_dir: str) -> dict[str, torch.Tensor]:
     out = {}
     for path in sorted(glob.glob(os.path.join(step_dir, "optim", "*.pt"))):
         rank = os.path.basename(path)
-        for piece in torch.load(path, weights_only=True)["pieces"]:
+        for piece in torch.load(path, weights_only=True, map_location="cpu")["pieces"]:
             for name, t in piece["tensors"].items():
                 out[f"{rank}:{piece['key']}:{name}"] = t
     return out
@@ -120,6 +120,10 @@ def main() -> int:
         metrics = {k: {"uninterrupted": want[k], "resumed": got[k]} for k in sorted(want.keys() & got.keys())
                    if isinstance(want[k], (int, float))}
         engine_only = sorted(want.keys() - got.keys())
+        print(f"resumed from {resumed_from}; step {n}, uninterrupted against resumed (same batch):")
+        print(table(["metric", "uninterrupted", "resumed", "equal"],  # before the states' long comparison
+                    [[k, v["uninterrupted"], v["resumed"], v["uninterrupted"] == v["resumed"]]
+                     for k, v in metrics.items()], digits=8), flush=True)
         states = compare_tensors(optimizer_pieces(aside), optimizer_pieces(os.path.join(run_dir, "checkpoints",
                                                                                         f"step_{n}")))
     finally:
@@ -128,10 +132,6 @@ def main() -> int:
     result = {"config": a.config, "overrides": a.overrides, "steps": n, "resumed_from": resumed_from,
               "step_metrics": metrics, "not_in_a_replay": engine_only, "optimizer_states_after_step": states,
               "metrics_bit_equal": all(v["uninterrupted"] == v["resumed"] for v in metrics.values())}
-    print(f"resumed from {resumed_from}; step {n}, uninterrupted against resumed (same batch):")
-    print(table(["metric", "uninterrupted", "resumed", "equal"],
-                [[k, v["uninterrupted"], v["resumed"], v["uninterrupted"] == v["resumed"]] for k, v in metrics.items()],
-                digits=8))
     print("optimizer states after the step:", json.dumps(states))
     write_json(result, a.out)
     return 0

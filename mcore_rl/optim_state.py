@@ -151,7 +151,8 @@ class _Index:
         self.steps, self.extras = set(), []
         for f in files:
             try:
-                d = torch.load(f, mmap=True, weights_only=True)
+                # on the host whatever device saved it (a run that never offloads saves device tensors)
+                d = torch.load(f, mmap=True, weights_only=True, map_location="cpu")
             except Exception as e:  # noqa: BLE001 - a truncated or foreign file: name it
                 raise OptimStateError(f"{f}: unreadable optimizer state ({type(e).__name__}: {e})") from None
             if not isinstance(d, dict) or d.get("format") != FORMAT:

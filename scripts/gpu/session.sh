@@ -87,6 +87,8 @@ PY
         "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 \
         trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
     resume_check)  # issue 24: a resumed run's next step against the uninterrupted run's, on the same batch
+      # (about 2.9 checkpoints on disk: LAYERS=4 needs the 128 GiB of a 2-GPU machine, LAYERS=2 fits 64 GiB;
+      # LAYERS=2 took 325 s on an H100)
       timeout "${LIMIT:-590}" python3 benchmarks/resume_check.py --config configs/moonlight_2gpu.yaml \
         --out "$OUT/resume_${LAYERS:-4}L.json" cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 \
         model.hf_config.num_hidden_layers="${LAYERS:-4}" "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
