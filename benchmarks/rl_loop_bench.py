@@ -46,8 +46,9 @@ from benchmarks.harness import table, write_json  # noqa: E402
 from mcore_rl.plot import records_by_step  # noqa: E402
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
-          "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "sync/gather_seconds",
-          "sync/engine_call_seconds", "sync/engine_wait_seconds", "timing/offload_weights", "timing/resume_kv_cache")
+          "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "sync/begin_end_seconds",
+          "sync/gather_seconds", "sync/send_seconds", "sync/engine_call_seconds", "sync/engine_wait_seconds",
+          "timing/offload_weights", "timing/resume_kv_cache")
 MEMORY_PHASES = ("train", "sync", "rollout", "save")
 # the loop's memory metrics (mcore_rl.memory.monitor), reported per step
 MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),

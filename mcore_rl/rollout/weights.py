@@ -65,10 +65,10 @@ class WeightSync:
         results = self.actors.call("sync_weights", verify and self.engines.readback == "digests")
         self.syncs += 1
         out = {"sync/seconds": max(r["seconds"] for r in results), "sync/bytes": sum(r["bytes"] for r in results),
-               # of those seconds: the gathers (slowest rank), the engine's calls and the driver's
-               # wait for them beyond the gathers they overlap
-               **{f"sync/{k}": max(r[k] for r in results)
-                  for k in ("gather_seconds", "engine_call_seconds", "engine_wait_seconds")}}
+               # of those seconds (slowest rank each): begin and end, gathers, sends, and in the
+               # sends the driver's wait for the engine's calls beyond the gathers they overlap
+               **{f"sync/{k}_seconds": max(r[f"{k}_seconds"] for r in results)
+                  for k in ("begin_end", "gather", "send", "engine_call", "engine_wait")}}
         if any("trainer_max_reserved" in r for r in results):  # GPU: the largest rank's allocator peak
             out["memory/trainer_max_reserved_gib_sync"] = max(r["trainer_max_reserved"] for r in results) / 2**30
         if verify:

@@ -21,23 +21,29 @@ def sync_weights(plan: SyncPlan, shards: LiveShards, transport, check=None, obse
     shards.check_holds(rank)
     t0 = time.perf_counter()
     parts = plan.for_rank(rank)
-    sent, gathering = 0, 0.0
-    transport.begin()
+    sent, spent = 0, dict.fromkeys(("begin_end", "gather", "send"), 0.0)
+
+    def timed(what, fn, *args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        spent[what] += time.perf_counter() - t
+        return out
+
+    timed("begin_end", transport.begin)
     for i, rb in enumerate(parts):
-        t1 = time.perf_counter()
-        named = assemble(rb, shards)
-        gathering += time.perf_counter() - t1
+        named = timed("gather", assemble, rb, shards)
         sent += sum(t.numel() * t.element_size() for _, t in named)
         if observe is not None:
             observe(named)
-        transport.send(named, last=i == len(parts) - 1)
+        timed("send", transport.send, named, last=i == len(parts) - 1)
         del named
-    transport.end()
-    # where the seconds went (host clock, kernels still queued): this rank's gathers, and the
-    # driver's engine calls (issue to return) and its waits for them beyond the overlap
+    timed("begin_end", transport.end)
+    # where the seconds went (host clock; kernels still queued count where something waits for
+    # them): this rank's gathers, its sends (for the pipelined IPC transport, the driver's wait
+    # for engine calls beyond the overlap among them) and the engine calls themselves, issue to return
     stats = {"seconds": time.perf_counter() - t0, "bytes": sent, "buckets": len(parts),
-             "gather_seconds": gathering, "engine_call_seconds": transport.engine_call_s,
-             "engine_wait_seconds": transport.engine_wait_s}
+             **{f"{k}_seconds": v for k, v in spent.items()},
+             "engine_call_seconds": transport.engine_call_s, "engine_wait_seconds": transport.engine_wait_s}
     if check is not None:
         check(plan)
     return stats
