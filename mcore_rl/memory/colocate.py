@@ -6,8 +6,9 @@
 
 Weights come back before the KV cache so the sync never competes with the KV pool for
 memory; the trainer's weights stay on the GPU for the sync, which reads them there instead of
-streaming each tensor from its host copy (the sync phase holds both sides' weights); every resume is checked against free memory first (`ResumeRefused`), so a resume
-that cannot fit fails with a Python error on every rank instead of a silent exit(1) in one.
+streaming each tensor from its host copy (the sync phase holds both sides' weights); every
+resume is checked against free memory first (`ResumeRefused`), so a resume that cannot fit fails
+with a Python error on every rank instead of a silent exit(1) in one.
 Sync and IPC buffers belong to neither side: allocate them outside any memory-saver region.
 """
 

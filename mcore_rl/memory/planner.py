@@ -83,7 +83,8 @@ filling one (with one buffer, its allocator peaked at 1.36 GiB with 512 MiB buck
 frees them (`empty_cache`) before the rollout.
 
 Phases: train (engine released), sync (engine weights resumed, trainer's weights still on the GPU,
-its other states released), rollout (KV cache and CUDA graphs resumed). A phase over capacity raises PlanError(phase, shortfall).
+its other states released), rollout (KV cache and CUDA graphs resumed). A phase over capacity
+raises PlanError(phase, shortfall).
 
 Host memory per node (`mcore_rl.memory.host`, given HostInputs): made with the GPU plan, shown
 after its table, and refused (HostPlanError, a PlanError) once the GPU plan fits.
