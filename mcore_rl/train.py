@@ -380,7 +380,9 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         after = phases.to_rollout(step, save)
         after["timing/to_rollout"] = time.perf_counter() - t0
         if val_task and (t.test_freq > 0 and step % t.test_freq == 0 or step == total):
+            t0 = time.perf_counter()
             after.update(validate(cfg, engine, val_task))
+            after["timing/validate"] = time.perf_counter() - t0
         after.update(phases.mon.take())  # this step's peaks: rollout, train, save, sync
         logger.log(after, step=step)
         metrics.update(after)

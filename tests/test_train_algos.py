@@ -263,6 +263,7 @@ def test_parquet_data_with_kl_tis_and_rloo(tmp_path):
     assert steps[1]["critic/kl_coeff"] != steps[0]["critic/kl_coeff"]  # adaptive controller moved
     after = {r["step"]: r for r in recs if "reward/mean" not in r}  # a step's sync and validation come after it
     assert "val/reward" in after[0] and "val/reward" in after[3]
+    assert after[3]["timing/validate"] > 0  # benchmarks take it out of their steps' wall time
 
 
 def test_critic_free_options_wire_through(tmp_path):

@@ -84,8 +84,9 @@ PY
       timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
         --out "$OUT/modes_2gpu${TAG:-}.json" --modes "${MODES:-sync,one_step_off,fully_async}" \
         cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 parallel.ep=1 rollout.tp_size=1 \
-        "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 \
-        trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
+        "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 trainer.save_last=false data.task_val_size=32 \
+        trainer.partial_rollout_tokens="${SEGMENT:-64}" trainer.max_staleness="${STALENESS:-1}" \
+        trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/modes_2gpu${TAG:-}.log" | tail -40 ;;
     resume_check)  # issue 24: a resumed run's next step against the uninterrupted run's, on the same batch
       # (about 2.9 checkpoints on disk: LAYERS=4 needs the 128 GiB of a 2-GPU machine, LAYERS=2 fits 64 GiB;
       # LAYERS=2 took 325 s on an H100)
