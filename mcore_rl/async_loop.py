@@ -227,11 +227,15 @@ class FullyAsync:
                 step += 1
 
         params = ppo.sampling_params(cfg, source, t.seed * 100003 + start)
-        # steps ahead of the trainer: a group started k steps before it is trained has a token about
-        # k versions old, so more than max_staleness steps ahead would only be regenerated
-        ahead = max(1, t.max_staleness) * self.first_round
+
+        def may_start(key: tuple, version: int) -> bool:
+            # step k trains with version k - 1: a group started on `version` is within the bound at
+            # its step, so every step up to max_staleness + 1 ahead of the engines' weights generates
+            # at once (the next step's groups fill the engines while this one's longest finish)
+            return key[0] - 1 - version <= self.max_staleness
+
         self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
-                                    cfg.rollout.max_response_len, t.partial_rollout_tokens, ahead, start,
+                                    cfg.rollout.max_response_len, t.partial_rollout_tokens, may_start, start,
                                     self.clocks.engine, self.clocks.trainer_waits)
 
     def step_batch(self, step: int):

@@ -150,6 +150,8 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
                           for s in g):
                 w.raise_if_failed()
                 w.cond.wait(timeout=1.0)
+            # max_staleness 2: steps 1-3 start on version 0 (step 3 trains with version 2), step 4 waits
+            assert {step for step, _ in [*w.in_flight, *w.ready]} == {1, 2, 3}
         run.sync(1)  # version 1 continues them
         batch, _, _, _, metrics = run.step_batch(2)  # step 1's groups, trained by version 1
         ours = torch.cat(group.call("log_probs", batch))

@@ -14,7 +14,7 @@ import collections
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from mcore_rl.rollout.base import Completion, Request, SamplingParams
 
@@ -55,16 +55,18 @@ class Sample:
 
 class RolloutWorker:
     """Generates groups of `params.n` responses, each under a key (a step's and its place in the
-    step's prompts): first the (key, prompt index) pairs `request`ed, then those of `prompts`,
-    keeping `groups_ahead` groups of `prompts` in flight or finished; `take` hands the finished
-    groups of given keys over. `engine.generate_requests` runs on the worker's thread only;
+    step's prompts): first the (key, prompt index) pairs `request`ed, then those of `prompts`, each
+    as soon as `may_start(key, version)` allows it with the weights the engines hold (the caller's
+    staleness rule); `take` hands the finished groups of given keys over. `engine.generate_requests` runs on the worker's thread only;
     `engine_clock` and `wait_clock` (BusyClocks) time the engines' generation and the trainer's waits.
     A failure on the worker's thread is raised on the trainer's by its next `take` or `paused`."""
 
     def __init__(self, engine, prompt_tokens, prompts: Iterator[tuple[tuple, int]], params: SamplingParams,
-                 max_len: int, segment: int, groups_ahead: int, version: int, engine_clock, wait_clock):
+                 max_len: int, segment: int, may_start: Callable[[tuple, int], bool], version: int, engine_clock,
+                 wait_clock):
         self.engine, self.prompt_tokens, self.prompts = engine, prompt_tokens, prompts
-        self.params, self.max_len, self.segment, self.groups_ahead = params, max_len, segment, groups_ahead
+        self.params, self.max_len, self.segment, self.may_start = params, max_len, segment, may_start
+        self.next_prompt: tuple[tuple, int] | None = None  # drawn from `prompts`, waiting for may_start
         self.version = version  # of the weights the engines hold; changed only while paused
         self.engine_clock, self.wait_clock = engine_clock, wait_clock
         self.requested: collections.deque[tuple[tuple, int]] = collections.deque()
@@ -92,7 +94,7 @@ class RolloutWorker:
                     self._fill()
                     live = [s for g in self.in_flight.values() for s in g if not s.finished]
                     version = self.version
-                    if not live:  # the buffer is full: wait for the trainer to take a batch
+                    if not live:  # nothing may start yet: wait for a sync or the trainer's next request
                         self.cond.wait(timeout=0.5)
                         continue
                 self.engine_clock.start()
@@ -116,8 +118,12 @@ class RolloutWorker:
         # requested groups start at once: the trainer waits for them, whatever the buffer holds
         while self.requested:
             self._start(*self.requested.popleft())
-        while len(self.in_flight) + len(self.ready) < self.groups_ahead:
-            self._start(*next(self.prompts))
+        while True:
+            self.next_prompt = self.next_prompt or next(self.prompts)
+            if not self.may_start(self.next_prompt[0], self.version):
+                return
+            self._start(*self.next_prompt)
+            self.next_prompt = None
 
     def _start(self, key: tuple, i: int) -> None:
         n, seed = self.params.n, self.params.seed
