@@ -16,6 +16,17 @@ bf16 engine samples responses; every engine then scores the same prompt + respon
   update_weights_from_tensor (the loop's path) against SGLang's loader of the same files: 0 if the
   engine's post-load steps (MLA's w_kc/w_vc from kv_b_proj, the FP8 layers' own) follow an update.
 Prints a table; writes JSON.
+
+    python benchmarks/fp8_engine_check.py --config configs/moonlight_2gpu.yaml --out fp8_speed.json \
+        --speed --layers 27
+
+measures speed instead: SGLang alone on dummy weights (no files but the config, so any depth fits
+the disk), bf16 then FP8 (the same config with the FP8 checkpoint's quantization_config), CUDA
+graphs on and the decode batch capped as in the loop (`--batch` requests, cuda_graph_max_bs =
+max_running_requests = batch), each decoding `--new-tokens` tokens per request past the EOS; the
+median generation tokens/s of three timed batches after a warm-up, and FP8's ratio. A few layers
+leave the step to what FP8 does not touch (attention, lm_head, sampling); the real depth says what
+FP8 buys a real model's rollout.
 """
 
 from __future__ import annotations
@@ -77,11 +88,50 @@ def write_models(hf_config: dict, work: str, seed: int) -> dict[str, str]:
 
 
 def engine(model_dir: str, attention_backend: str, **extra):
-    import sglang
+    import inspect
 
-    return sglang.Engine(model_path=model_dir, skip_tokenizer_init=True, trust_remote_code=False, dtype="bfloat16",
-                         attention_backend=attention_backend, disable_cuda_graph=True, mem_fraction_static=0.5,
-                         disable_shared_experts_fusion=True, random_seed=1, log_level="error", **extra)
+    import sglang
+    from sglang.srt.server_args import ServerArgs
+
+    from mcore_rl.rollout.sglang import adapt_args
+
+    args = dict(model_path=model_dir, skip_tokenizer_init=True, trust_remote_code=False, dtype="bfloat16",
+                attention_backend=attention_backend, disable_cuda_graph=True, mem_fraction_static=0.5,
+                disable_shared_experts_fusion=True, random_seed=1, log_level="error")
+    return sglang.Engine(**adapt_args({**args, **extra}, set(inspect.signature(ServerArgs).parameters)))
+
+
+def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """{"bf16", "fp8"}: median generation tokens/s of each engine on dummy weights (see the module doc)."""
+    import random
+
+    import transformers
+
+    from mcore_rl.rollout.model_files import engine_model_dir
+    from mcore_rl.sync import fp8
+
+    raw = os.path.join(work, "config_only")
+    transformers.AutoConfig.for_model(**hf_config).save_pretrained(raw)
+    eos = [hf_config.get("eos_token_id") or 1]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    out = {}
+    for kind in ("bf16", "fp8"):
+        model_dir = engine_model_dir(raw, os.path.join(work, kind), eos,
+                                     quantization_config=fp8.QUANTIZATION_CONFIG if kind == "fp8" else None)
+        eng = engine(model_dir, backend, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
+                     cuda_graph_max_bs=batch, max_running_requests=batch)
+        try:
+            rates = []
+            for _ in range(4):  # the first warms up
+                t0 = time.perf_counter()
+                done = eng.generate(input_ids=prompts, sampling_params=params)
+                rates.append(sum(len(o["output_ids"]) for o in done) / (time.perf_counter() - t0))
+            out[kind] = {"tokens_per_s": statistics.median(rates[1:]), "runs": rates}
+        finally:
+            eng.shutdown()
+    return out
 
 
 def update_from_files(eng, model_dir: str, bucket_bytes: int = 512 << 20) -> None:
@@ -118,6 +168,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--speed", action="store_true", help="tokens/s of bf16 and FP8 on dummy weights instead of gaps")
+    ap.add_argument("--batch", type=int, default=128, help="--speed: requests decoded together")
     a = ap.parse_args()
     os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"  # as the loop's FP8 engines (mcore_rl.rollout.sglang)
     import random
@@ -129,6 +181,15 @@ def main() -> int:
     backend = cfg.rollout.attention_backend or "triton"
     work = tempfile.mkdtemp(prefix="fp8_check_")
     t0 = time.perf_counter()
+    if a.speed:
+        rates = speed(hf_config, work, backend, a.batch, a.prompt_len, a.new_tokens)
+        ratio = rates["fp8"]["tokens_per_s"] / rates["bf16"]["tokens_per_s"]
+        write_json({"config": a.config, "hf_config": hf_config, "batch": a.batch, "prompt_len": a.prompt_len,
+                    "new_tokens": a.new_tokens, "attention_backend": backend, "speed": rates, "fp8_over_bf16": ratio,
+                    "wall_s": round(time.perf_counter() - t0, 1)}, a.out)
+        print(table(["engine", "tokens/s (median of 3)"], [[k, v["tokens_per_s"]] for k, v in rates.items()], digits=0))
+        print(f"fp8 / bf16: {ratio:.3f}x ({hf_config['num_hidden_layers']} layers, batch {a.batch})")
+        return 0
     dirs = write_models(hf_config, work, a.seed)
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(a.prompt_len)] for _ in range(a.seqs)]

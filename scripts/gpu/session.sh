@@ -87,6 +87,10 @@ PY
         "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 trainer.save_last=false data.task_val_size=32 \
         trainer.partial_rollout_tokens="${SEGMENT:-64}" trainer.max_staleness="${STALENESS:-1}" \
         trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/modes_2gpu${TAG:-}.log" | tail -40 ;;
+    fp8_speed)  # issue 28: SGLang alone on dummy weights, bf16 then FP8, at a real depth (Moonlight: 27 layers)
+      timeout "${LIMIT:-590}" python3 benchmarks/fp8_engine_check.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+        --out "$OUT/fp8_speed_${LAYERS:-27}L${TAG:-}.json" --speed --layers "${LAYERS:-27}" --batch "${BATCH:-128}" \
+        --new-tokens 512 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
     resume_check)  # issue 24: a resumed run's next step against the uninterrupted run's, on the same batch
       # (about 2.9 checkpoints on disk: LAYERS=4 needs the 128 GiB of a 2-GPU machine, LAYERS=2 fits 64 GiB;
       # LAYERS=2 took 325 s on an H100)
