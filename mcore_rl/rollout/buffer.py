@@ -57,8 +57,9 @@ class RolloutWorker:
     """Generates groups of `params.n` responses, each under a key (a step's and its place in the
     step's prompts): first the (key, prompt index) pairs `request`ed, then those of `prompts`, each
     as soon as `may_start(key, version)` allows it with the weights the engines hold (the caller's
-    staleness rule); `take` hands the finished groups of given keys over. `engine.generate_requests` runs on the worker's thread only;
-    `engine_clock` and `wait_clock` (BusyClocks) time the engines' generation and the trainer's waits.
+    staleness rule); `take` hands the finished groups of given keys over.
+    `engine.generate_requests` runs on the worker's thread only; `engine_clock` and `wait_clock`
+    (BusyClocks) time the engines' generation and the trainer's waits.
     A failure on the worker's thread is raised on the trainer's by its next `take` or `paused`."""
 
     def __init__(self, engine, prompt_tokens, prompts: Iterator[tuple[tuple, int]], params: SamplingParams,
