@@ -84,8 +84,8 @@ PY
       timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
         --out "$OUT/modes_2gpu${TAG:-}.json" --modes "${MODES:-sync,one_step_off,fully_async}" \
         cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 parallel.ep=1 rollout.tp_size=1 \
-        "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 trainer.save_last=false data.task_val_size=32 \
-        trainer.partial_rollout_tokens="${SEGMENT:-64}" trainer.max_staleness="${STALENESS:-1}" \
+        "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 trainer.save_last=false \
+        data.task_val_size=32 trainer.partial_rollout_tokens="${SEGMENT:-64}" trainer.max_staleness="${STALENESS:-1}" \
         trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/modes_2gpu${TAG:-}.log" | tail -40 ;;
     fp8_speed)  # issue 28: SGLang alone on dummy weights, bf16 then FP8, at a real depth (Moonlight: 27 layers)
       timeout "${LIMIT:-590}" python3 benchmarks/fp8_engine_check.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
