@@ -42,7 +42,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import table, write_json  # noqa: E402
+from benchmarks.harness import table, timed_calls, write_json  # noqa: E402
 
 FP8_NAMES = ("_proj.weight", "_proj_with_mqa.weight")  # what DeepSeek-V3's FP8 checkpoints quantize
 
@@ -88,17 +88,14 @@ def write_models(hf_config: dict, work: str, seed: int) -> dict[str, str]:
 
 
 def engine(model_dir: str, attention_backend: str, **extra):
-    import inspect
-
     import sglang
-    from sglang.srt.server_args import ServerArgs
 
-    from mcore_rl.rollout.sglang import adapt_args
+    from mcore_rl.rollout.sglang import adapt_args, server_arg_names
 
     args = dict(model_path=model_dir, skip_tokenizer_init=True, trust_remote_code=False, dtype="bfloat16",
                 attention_backend=attention_backend, disable_cuda_graph=True, mem_fraction_static=0.5,
                 disable_shared_experts_fusion=True, random_seed=1, log_level="error")
-    return sglang.Engine(**adapt_args({**args, **extra}, set(inspect.signature(ServerArgs).parameters)))
+    return sglang.Engine(**adapt_args({**args, **extra}, server_arg_names()))
 
 
 def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
@@ -122,13 +119,10 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
                                      quantization_config=fp8.QUANTIZATION_CONFIG if kind == "fp8" else None)
         eng = engine(model_dir, backend, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
                      cuda_graph_max_bs=batch, max_running_requests=batch)
-        try:
-            rates = []
-            for _ in range(4):  # the first warms up
-                t0 = time.perf_counter()
-                done = eng.generate(input_ids=prompts, sampling_params=params)
-                rates.append(sum(len(o["output_ids"]) for o in done) / (time.perf_counter() - t0))
-            out[kind] = {"tokens_per_s": statistics.median(rates[1:]), "runs": rates}
+        try:  # ignore_eos: every request decodes new_tokens
+            seconds = timed_calls(lambda: eng.generate(input_ids=prompts, sampling_params=params), iters=3)
+            rates = [batch * new_tokens / s for s in seconds]
+            out[kind] = {"tokens_per_s": statistics.median(rates), "runs": rates}
         finally:
             eng.shutdown()
     return out

@@ -140,6 +140,15 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
 ARG_ALIASES = {"cuda_graph_max_bs": ("cuda_graph_max_bs_decode",)}
 
 
+def server_arg_names() -> set[str]:
+    """The engine arguments this SGLang's ServerArgs takes (a dataclass before 0.5.20, a msgspec struct after)."""
+    import inspect
+
+    from sglang.srt.server_args import ServerArgs
+
+    return set(inspect.signature(ServerArgs).parameters)
+
+
 def adapt_args(args: dict, known: set[str]) -> dict:
     """`args` in the names this SGLang's ServerArgs knows; an argument it knows under no name is an error."""
     out = {}
@@ -211,13 +220,10 @@ class SGLangServer:
         self.tp_ranks = range(self.node_rank * per, (self.node_rank + 1) * per)  # SGLang's, on this node
         if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
-        import inspect
-
         import sglang
-        from sglang.srt.server_args import ServerArgs  # a dataclass before 0.5.20, a msgspec struct after
 
         self.version = sglang.__version__
-        known = set(inspect.signature(ServerArgs).parameters)
+        known = server_arg_names()
         if "nccl_port" in known and engine_args.get("nccl_port") is None:  # SGLang's own pick is ephemeral
             engine_args = {**engine_args, "nccl_port": free_port()}
         self.nccl_port = engine_args.get("nccl_port")
