@@ -108,7 +108,10 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
     from mcore_rl.sync import fp8
 
     raw = os.path.join(work, "config_only")
-    transformers.AutoConfig.for_model(**hf_config).save_pretrained(raw)
+    config = transformers.AutoConfig.for_model(**hf_config)
+    # SGLang picks its model class by `architectures`, which only a saved model writes
+    config.architectures = [transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.save_pretrained(raw)
     eos = [hf_config.get("eos_token_id") or 1]
     rng = random.Random(1)
     prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
