@@ -71,6 +71,7 @@ def at_peak(step: dict) -> dict:
 # each mode's settings, before the command line's overrides (which win)
 MODE_ARGS = {"sync": (), "one_step_off": ("trainer.mode=one_step_off",),
              "fully_async": ("trainer.mode=fully_async", "trainer.partial_rollout_tokens=8")}
+STEP_KEYS = ("time", "timing/", "sync/seconds", "async/", "perf/samples_per_s", "response/length")
 MODE_METRICS = ("async/staleness_mean", "async/staleness_max", "async/partial_fraction", "async/engine_idle_fraction",
                 "async/trainer_idle_fraction", "response/length")
 
@@ -165,7 +166,8 @@ def compare_modes(config: str, overrides: list[str], modes: list[str], out: str)
         cfg = C.load_config(config, args)
         steps, _ = run_loop(config, args, os.path.join(work, mode))
         shutil.rmtree(os.path.join(work, mode), ignore_errors=True)  # its checkpoints: the next mode needs the disk
-        trained = [s for k, s in sorted(steps.items()) if k >= 1 and "reward/mean" in s]
+        by_step = {k: s for k, s in sorted(steps.items()) if k >= 1 and "reward/mean" in s}
+        trained = list(by_step.values())
         later = trained[1:]  # step 1 warms up
         samples = len(later) * cfg.data.train_batch_size * cfg.rollout.n
         means = {k.split("/")[1]: statistics.mean(s[k] for s in later) if all(k in s for s in later) else None
@@ -176,7 +178,10 @@ def compare_modes(config: str, overrides: list[str], modes: list[str], out: str)
         rows.append({"mode": mode, "overrides": args, "steps": len(trained),
                      "samples_per_s": samples / train_seconds(trained),
                      "reward_last3": statistics.mean(s["reward/mean"] for s in trained[-3:]), **means,
-                     "phases_s": phases})
+                     "phases_s": phases,
+                     # every step's own timings: a slow step is attributed, not only outvoted by medians
+                     "per_step": [{"step": k, **{m: v for m, v in s.items() if m.startswith(STEP_KEYS)}}
+                                  for k, s in by_step.items()]})
         write_json({"config": config, "overrides": overrides, "modes": rows}, out)  # kept if a later mode is cut
         print(f"{mode}: {rows[-1]['samples_per_s']:.2f} samples/s", flush=True)
     base = next((r["samples_per_s"] for r in rows if r["mode"] == "sync"), None)
