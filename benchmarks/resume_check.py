@@ -120,6 +120,9 @@ def main() -> int:
         metrics = {k: {"uninterrupted": want[k], "resumed": got[k]} for k in sorted(want.keys() & got.keys())
                    if isinstance(want[k], (int, float))}
         engine_only = sorted(want.keys() - got.keys())
+        if not want.get("actor/grad_norm"):  # random weights at real width: every reward 0, no advantage
+            print(f"resume_check: step {n} had no gradient (actor/grad_norm 0): its update compares the states' "
+                  "read-back only; pass actor.entropy_coeff=0.01 for a step that moves the weights")
         print(f"resumed from {resumed_from}; step {n}, uninterrupted against resumed (same batch):")
         print(table(["metric", "uninterrupted", "resumed", "equal"],  # before the states' long comparison
                     [[k, v["uninterrupted"], v["resumed"], v["uninterrupted"] == v["resumed"]]

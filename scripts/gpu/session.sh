@@ -93,10 +93,10 @@ PY
         --new-tokens 512 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
     resume_check)  # issue 24: a resumed run's next step against the uninterrupted run's, on the same batch
       # (about 2.9 checkpoints on disk: LAYERS=4 needs the 128 GiB of a 2-GPU machine, LAYERS=2 fits 64 GiB;
-      # LAYERS=2 took 325 s on an H100)
+      # LAYERS=2 took 325-465 s on an H100; random weights score 0, so an entropy bonus gives the step a gradient)
       timeout "${LIMIT:-590}" python3 benchmarks/resume_check.py --config configs/moonlight_2gpu.yaml \
         --out "$OUT/resume_${LAYERS:-4}L.json" cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 \
-        model.hf_config.num_hidden_layers="${LAYERS:-4}" "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
+        model.hf_config.num_hidden_layers="${LAYERS:-4}" actor.entropy_coeff=0.01 "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
     driver_cuda)  # does the driver's memory plan start a CUDA context (it holds GPU memory all run)?
       python3 -c "import torch; from mcore_rl import config as C; from mcore_rl.plan import plan_for_config
 cfg = C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1', 'rollout.tp_size=1'])
