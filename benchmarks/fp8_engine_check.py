@@ -167,8 +167,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--speed", action="store_true", help="tokens/s of bf16 and FP8 on dummy weights instead of gaps")
     ap.add_argument("--batch", type=int, default=128, help="--speed: requests decoded together")
+    ap.add_argument("--moe-config-dir", help="SGLang's fused-MoE tiles from benchmarks/tune_fused_moe.py "
+                    "(rollout.moe_config_dir); default: the ones it ships")
     a = ap.parse_args()
     os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"  # as the loop's FP8 engines (mcore_rl.rollout.sglang)
+    if a.moe_config_dir:  # the engines' schedulers inherit it
+        os.environ["SGLANG_MOE_CONFIG_DIR"] = os.path.abspath(a.moe_config_dir)
     import random
 
     from mcore_rl import config as C
@@ -182,7 +186,8 @@ def main() -> int:
         rates = speed(hf_config, work, backend, a.batch, a.prompt_len, a.new_tokens)
         ratio = rates["fp8"]["tokens_per_s"] / rates["bf16"]["tokens_per_s"]
         write_json({"config": a.config, "hf_config": hf_config, "batch": a.batch, "prompt_len": a.prompt_len,
-                    "new_tokens": a.new_tokens, "attention_backend": backend, "speed": rates, "fp8_over_bf16": ratio,
+                    "new_tokens": a.new_tokens, "attention_backend": backend, "moe_config_dir": a.moe_config_dir,
+                    "speed": rates, "fp8_over_bf16": ratio,
                     "wall_s": round(time.perf_counter() - t0, 1)}, a.out)
         print(table(["engine", "tokens/s (median of 3)"], [[k, v["tokens_per_s"]] for k, v in rates.items()], digits=0))
         print(f"fp8 / bf16: {ratio:.3f}x ({hf_config['num_hidden_layers']} layers, batch {a.batch})")

@@ -115,6 +115,9 @@ class RolloutConfig(Section):
     return_routed_experts: bool = Field(True, description=(
         "SGLang with an MoE model returns each token's routed experts (actor.routing_replay, rollout/route_agreement); "
         "each engine holds a host buffer of KV tokens x layers x top-k int32"))
+    moe_config_dir: str | None = Field(None, description=(
+        "SGLang's fused-MoE tiles tuned for this model and GPU (SGLANG_MOE_CONFIG_DIR; benchmarks/tune_fused_moe.py "
+        "writes one); null: the tiles SGLang ships, or its generic default where it ships none"))
     weight_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
         "fp8: the engine's linear weights are DeepSeek-V3's block FP8 (e4m3, a scale per 128 x 128 block), quantized "
         "in each sync; training stays in model.dtype. Turns token TIS on by default (ppo.correction_settings). SGLang"))

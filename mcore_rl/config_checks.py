@@ -247,6 +247,18 @@ def _check_sglang(errors: list[str], hf: dict | None) -> None:
                       f"{hf.get('decoder_sparse_step')}): use rollout.engine=embedded")
 
 
+def _check_moe_config_dir(cfg: Config, errors: list[str]) -> None:
+    where = cfg.rollout.moe_config_dir
+    if where is None:
+        return
+    if cfg.rollout.engine != "sglang":
+        errors.append("rollout.moe_config_dir is SGLang's (SGLANG_MOE_CONFIG_DIR); "
+                      f"rollout.engine is {cfg.rollout.engine}")
+    elif not os.path.isdir(os.path.join(where, "configs")):  # SGLang would fall back to its defaults silently
+        errors.append(f"rollout.moe_config_dir={where} holds no configs/ folder (benchmarks/tune_fused_moe.py "
+                      "writes one)")
+
+
 def _check_algorithm(cfg: Config, errors: list[str]) -> None:
     alg, a, r, d = cfg.algorithm, cfg.actor, cfg.rollout, cfg.data
     if alg.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and r.n < 2:
@@ -358,6 +370,7 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
         _check_vllm(cfg, errors, hf if sound else None)
     if cfg.rollout.engine == "sglang" and sound:
         _check_sglang(errors, hf)
+    _check_moe_config_dir(cfg, errors)
     _check_algorithm(cfg, errors)
     _check_corrections(cfg, errors)
     _check_fp8(cfg, errors, hf if sound else None)

@@ -89,6 +89,8 @@ CASES = [
          "cluster.placement_timeout_s must be > 0"),
     Case("fp8 rollout, embedded engine", CONFIG[:3], ("rollout.weight_dtype=fp8", "rollout.engine=embedded"),
          "rollout.weight_dtype=fp8 needs rollout.engine=sglang, not embedded"),
+    Case("tuned MoE tiles missing", CONFIG[:3], ("rollout.moe_config_dir={d}/no_tiles",),
+         "rollout.moe_config_dir={d}/no_tiles holds no configs/ folder"),
     # the model config against what the builder, converters and engines take
     Case("num_attention_heads 0", CONFIG, ("model.hf_config.num_attention_heads=0", "memory.gpu_memory_gb=80"),
          "invalid config: model.hf_config: num_attention_heads must be an integer >= 1, got 0"),

@@ -127,6 +127,8 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
         # with DeepGEMM SGLang rewrites block scales to powers of two after loading (UE8M0): the engine
         # would no longer hold the scales the sync sent (and the read-back compares); triton's FP8 GEMM reads them as sent
         env["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"
+    if cfg.rollout.moe_config_dir:  # read by SGLang's schedulers as they pick each fused-MoE call's tile
+        env["SGLANG_MOE_CONFIG_DIR"] = os.path.abspath(cfg.rollout.moe_config_dir)
     if cfg.cluster.device != "cpu":
         return env
     env["TORCHDYNAMO_DISABLE"] = "1"  # SGLang's MoE top-k otherwise compiles for 14-25 s on CPU

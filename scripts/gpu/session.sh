@@ -90,7 +90,12 @@ PY
     fp8_speed)  # issue 28: SGLang alone on dummy weights, bf16 then FP8, at a real depth (Moonlight: 27 layers)
       timeout "${LIMIT:-590}" python3 benchmarks/fp8_engine_check.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
         --out "$OUT/fp8_speed_${LAYERS:-27}L${TAG:-}.json" --speed --layers "${LAYERS:-27}" --batch "${BATCH:-128}" \
-        --new-tokens 512 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
+        --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
+    moe_tune)  # issue 28: SGLang's fused-MoE tiles for Moonlight's experts on this GPU, into /tmp/moe_configs
+      # (then MOE_DIR=/tmp/moe_configs TAG=_tuned ... fp8_speed, or EXTRA_OVERRIDES=rollout.moe_config_dir=... loop1gpu)
+      timeout "${LIMIT:-590}" python3 benchmarks/tune_fused_moe.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+        --dir /tmp/moe_configs --out "$OUT/moe_tune${TAG:-}.json" --dtypes "${DTYPES:-fp8,bf16}" rollout.tp_size=1 \
+        rollout.ep_size=1 2>&1 | quiet | tee "$OUT/moe_tune${TAG:-}.log" | tail -40 ;;
     resume_check)  # issue 24: a resumed run's next step against the uninterrupted run's, on the same batch
       # (about 2.9 checkpoints on disk: LAYERS=4 needs the 128 GiB of a 2-GPU machine, LAYERS=2 fits 64 GiB;
       # LAYERS=2 took 325-465 s on an H100; random weights score 0, so an entropy bonus gives the step a gradient)
