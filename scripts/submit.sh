@@ -38,7 +38,7 @@ PASS_ENV=(GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME NCCL_IB_HCA NCCL_IB_GID_INDEX
     CUDA_DEVICE_MAX_CONNECTIONS PYTORCH_CUDA_ALLOC_CONF MKL_THREADING_LAYER MKL_SERVICE_FORCE_INTEL
     HF_HUB_OFFLINE HF_DATASETS_OFFLINE TRANSFORMERS_OFFLINE RAY_DEBUG RAY_DEBUG_POST_MORTEM)
 EXCLUDES=(.git .venv venv runs outputs build dist .pytest_cache .ruff_cache .mypy_cache __pycache__ "*.egg-info"
-    .whl .gl checkpoints wandb "*.pyc")
+    .whl .gl .sglang-gpu .gpu-extra checkpoints wandb "*.pyc")  # the GPU staging dirs: hundreds of MB
 
 config="${MCORE_RL_CONFIG:-}"
 address="${RAY_API_SERVER_ADDRESS:-http://127.0.0.1:8265}"
