@@ -234,9 +234,11 @@ class FullyAsync:
             # at once (the next step's groups fill the engines while this one's longest finish)
             return key[0] - 1 - version <= self.max_staleness
 
+        # the engines' decode batch on a GPU (SGLang's max_running_requests); the CPU engine takes any
+        capacity = None if cfg.cluster.device == "cpu" else C.max_running_requests(cfg) * getattr(engine, "engines", 1)
         self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
                                     cfg.rollout.max_response_len, t.partial_rollout_tokens, may_start, start,
-                                    self.clocks.engine, self.clocks.trainer_waits)
+                                    self.clocks.engine, self.clocks.trainer_waits, max_live=capacity)
 
     def step_batch(self, step: int):
         from mcore_rl.dynamic_sampling import sample_step_batch, scored

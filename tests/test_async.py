@@ -187,6 +187,42 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
     assert 0 < metrics["train/kept_group_fraction"] <= 1
 
 
+def test_a_round_of_pieces_holds_one_wave_of_the_engines_oldest_step_first(fully_async_run):
+    """More responses in flight than the engines decode at once (max_live): each round of pieces takes
+    the oldest steps' unfinished responses up to that capacity, so a long response's next piece never
+    waits behind a second wave of the next step's fresh ones; every group still finishes."""
+    import itertools
+
+    from mcore_rl import ppo
+    from mcore_rl.async_loop import BusyClock
+    from mcore_rl.rollout.buffer import RolloutWorker
+
+    cfg, group, engine, sync, source = fully_async_run
+    rounds: list[list[int]] = []  # per round, each piece's prompt (its first token - 3)
+
+    class Recording:  # SGLang's engine; the rounds' requests noted on the way
+        def generate_requests(self, requests):
+            rounds.append([r.prompt[0] - 3 for r in requests])
+            return engine.generate_requests(requests)
+
+    params = ppo.sampling_params(cfg, source, seed=5)
+    groups = [((1, 0), 0), ((1, 1), 1), ((2, 0), 2)]  # then step 3, never admitted
+    stream = itertools.chain(groups, (((3, k), 3) for k in itertools.count()))
+    worker = RolloutWorker(Recording(), lambda i: [i + 3] * 4, stream, params, max_len=4, segment=1,
+                           may_start=lambda key, version: key[0] <= 2, version=0, engine_clock=BusyClock(),
+                           wait_clock=BusyClock(), max_live=12)
+    try:
+        done = worker.take([key for key, _ in groups])
+    finally:
+        worker.stop()
+    n = params.n
+    assert [len(g) for g in done] == [n] * 3 and all(s.finished for g in done for s in g)
+    assert all(len(r) <= 12 for r in rounds) and len(rounds[0]) == 12, [len(r) for r in rounds]
+    assert rounds[0] == [0] * n + [1] * (12 - n)  # step 1's two groups before step 2's
+    assert all(r == sorted(r) for r in rounds)
+    assert any(2 in r for r in rounds[1:])  # step 2 comes in as step 1's responses finish
+
+
 def test_an_engine_killed_during_a_weight_sync_is_an_error_long_before_the_deadline(fully_async_run):
     """The engine's scheduler is stopped and a weight sync starts: the trainer's broadcast waits on
     it. The scheduler is then killed: the sync fails within seconds naming the engine and the call

@@ -58,15 +58,19 @@ class RolloutWorker:
     step's prompts): first the (key, prompt index) pairs `request`ed, then those of `prompts`, each
     as soon as `may_start(key, version)` allows it with the weights the engines hold (the caller's
     staleness rule); `take` hands the finished groups of given keys over.
+    A round of pieces holds at most `max_live` responses (the engines' decode capacity), oldest step
+    first: past it, the engines would run the round in two waves and a long response's next piece
+    would wait for the second one, the next step's fresh responses.
     `engine.generate_requests` runs on the worker's thread only; `engine_clock` and `wait_clock`
     (BusyClocks) time the engines' generation and the trainer's waits.
     A failure on the worker's thread is raised on the trainer's by its next `take` or `paused`."""
 
     def __init__(self, engine, prompt_tokens, prompts: Iterator[tuple[tuple, int]], params: SamplingParams,
                  max_len: int, segment: int, may_start: Callable[[tuple, int], bool], version: int, engine_clock,
-                 wait_clock):
+                 wait_clock, max_live: int | None = None):
         self.engine, self.prompt_tokens, self.prompts = engine, prompt_tokens, prompts
         self.params, self.max_len, self.segment, self.may_start = params, max_len, segment, may_start
+        self.max_live = max_live if segment else None  # whole responses: SGLang's own batching fills the engines
         self.next_prompt: tuple[tuple, int] | None = None  # drawn from `prompts`, waiting for may_start
         self.version = version  # of the weights the engines hold; changed only while paused
         self.engine_clock, self.wait_clock = engine_clock, wait_clock
@@ -93,7 +97,8 @@ class RolloutWorker:
                     if self.stopped:
                         return
                     self._fill()
-                    live = [s for g in self.in_flight.values() for s in g if not s.finished]
+                    live = [s for _, g in sorted(self.in_flight.items(), key=lambda kg: kg[0])
+                            for s in g if not s.finished][:self.max_live]
                     version = self.version
                     if not live:  # nothing may start yet: wait for a sync or the trainer's next request
                         self.cond.wait(timeout=0.5)
