@@ -157,8 +157,10 @@ def main() -> int:
     cfg = C.load_config(a.config, a.overrides)
     shape, batches = expert_shape(cfg), [int(b) for b in a.batches.split(",")]
     t0 = time.perf_counter()
-    results = {d: tune(shape, d == "fp8", batches) for d in a.dtypes.split(",")}
-    files = write_sglang_configs(a.dir, shape, results)
+    results, files = {}, []
+    for dtype in a.dtypes.split(","):  # each dtype's file as soon as it is tuned: a cut run keeps the first
+        results[dtype] = tune(shape, dtype == "fp8", batches)
+        files += write_sglang_configs(a.dir, shape, {dtype: results[dtype]})
     rows = [[d, m, r["default_us"], r["best_us"], r["default_us"] / r["best_us"]]
             for d, per_batch in results.items() for m, r in per_batch.items()]
     print(table(["dtype", "batch", "default us", "tuned us", "speedup"], rows))
