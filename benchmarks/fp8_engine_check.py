@@ -42,7 +42,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import table, timed_calls, write_json  # noqa: E402
+from benchmarks.harness import config_only_model, table, timed_calls, write_json  # noqa: E402
 
 FP8_NAMES = ("_proj.weight", "_proj_with_mqa.weight")  # what DeepSeek-V3's FP8 checkpoints quantize
 
@@ -102,16 +102,10 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
     """{"bf16", "fp8"}: median generation tokens/s of each engine on dummy weights (see the module doc)."""
     import random
 
-    import transformers
-
     from mcore_rl.rollout.model_files import engine_model_dir
     from mcore_rl.sync import fp8
 
-    raw = os.path.join(work, "config_only")
-    config = transformers.AutoConfig.for_model(**hf_config)
-    # SGLang picks its model class by `architectures`, which only a saved model writes
-    config.architectures = [transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
-    config.save_pretrained(raw)
+    raw = config_only_model(hf_config, os.path.join(work, "config_only"))
     eos = [hf_config.get("eos_token_id") or 1]
     rng = random.Random(1)
     prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]

@@ -72,6 +72,17 @@ def shutdown(procs: list, grace: float) -> None:
             p.terminate()
 
 
+def config_only_model(hf_config: dict, path: str) -> str:
+    """A model directory holding only config.json (SGLang's dummy load format, its server args):
+    with `architectures`, which SGLang picks its model class by and only a saved model writes."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**hf_config)
+    config.architectures = [transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.save_pretrained(path)
+    return path
+
+
 def write_json(report: dict, path: str) -> None:
     """Written whole or not at all (a benchmark killed mid-write leaves the previous file)."""
     tmp = path + ".tmp"

@@ -22,6 +22,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -29,7 +30,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.harness import table, timed_calls, write_json  # noqa: E402
+from benchmarks.harness import config_only_model, table, timed_calls, write_json  # noqa: E402
 
 BATCHES = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 CALLS_PER_SAMPLE = 10  # one MoE call at a small batch is tens of microseconds: time ten at once
@@ -80,6 +81,16 @@ def moe_call(shape: dict, weights: dict, m: int):
     runner = MoeRunnerConfig(inplace=False, gate_up_interleaved=False)
     args = {k: v for k, v in weights.items() if k not in ("w1", "w2")}
     return lambda: fused_experts(x, weights["w1"], weights["w2"], routed, runner, **args)
+
+
+def publish_engine_settings(hf_config: dict, work: str) -> None:
+    """SGLang's MoE kernels read process-wide settings (deterministic inference, ...) that only an
+    engine's processes publish: publish those of an engine on this model (config only)."""
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    model = config_only_model(hf_config, os.path.join(work, "config_only"))
+    publish(ServerArgs(model_path=model, skip_tokenizer_init=True, attention_backend="triton"), role="test")
 
 
 def micros(call, tile: dict | None) -> float:
@@ -158,9 +169,11 @@ def main() -> int:
     shape, batches = expert_shape(cfg), [int(b) for b in a.batches.split(",")]
     t0 = time.perf_counter()
     results, files = {}, []
-    for dtype in a.dtypes.split(","):  # each dtype's file as soon as it is tuned: a cut run keeps the first
-        results[dtype] = tune(shape, dtype == "fp8", batches)
-        files += write_sglang_configs(a.dir, shape, {dtype: results[dtype]})
+    with tempfile.TemporaryDirectory(prefix="tune_fused_moe_") as work:  # the settings' model config
+        publish_engine_settings(C.hf_model_dims(cfg.model), work)
+        for dtype in a.dtypes.split(","):  # each dtype's file once it is tuned: a cut run keeps the first
+            results[dtype] = tune(shape, dtype == "fp8", batches)
+            files += write_sglang_configs(a.dir, shape, {dtype: results[dtype]})
     rows = [[d, m, r["default_us"], r["best_us"], r["default_us"] / r["best_us"]]
             for d, per_batch in results.items() for m, r in per_batch.items()]
     print(table(["dtype", "batch", "default us", "tuned us", "speedup"], rows))

@@ -92,7 +92,8 @@ PY
         --out "$OUT/fp8_speed_${LAYERS:-27}L${TAG:-}.json" --speed --layers "${LAYERS:-27}" --batch "${BATCH:-128}" \
         --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
     moe_tune)  # issue 28: SGLang's fused-MoE tiles for Moonlight's experts on this GPU, into /tmp/moe_configs
-      # (then MOE_DIR=/tmp/moe_configs TAG=_tuned ... fp8_speed, or EXTRA_OVERRIDES=rollout.moe_config_dir=... loop1gpu)
+      # (then MOE_DIR=/tmp/moe_configs TAG=_tuned ... fp8_speed, or EXTRA_OVERRIDES=rollout.moe_config_dir=... loop1gpu;
+      # 64 FP8 tiles and 128 bf16 ones, each compiled: DTYPES=fp8 and DTYPES=bf16 in calls of their own if one is cut)
       timeout "${LIMIT:-590}" python3 benchmarks/tune_fused_moe.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
         --dir /tmp/moe_configs --out "$OUT/moe_tune${TAG:-}.json" --dtypes "${DTYPES:-fp8,bf16}" rollout.tp_size=1 \
         rollout.ep_size=1 2>&1 | quiet | tee "$OUT/moe_tune${TAG:-}.log" | tail -40 ;;
