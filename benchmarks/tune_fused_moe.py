@@ -36,12 +36,14 @@ BATCHES = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 CALLS_PER_SAMPLE = 10  # one MoE call at a small batch is tens of microseconds: time ten at once
 
 
-def expert_shape(cfg) -> dict:
+def expert_shape(hf_config: dict, rollout) -> dict:
     """The routed experts one engine rank runs: E, N (intermediate per rank), K (hidden), top-k."""
-    hf, r = cfg.model.hf_config, cfg.rollout
-    experts = hf.get("n_routed_experts") or hf["num_experts"]
-    return {"E": experts // r.ep_size, "N": hf["moe_intermediate_size"] // (r.tp_size // r.ep_size),
-            "K": hf["hidden_size"], "topk": hf["num_experts_per_tok"]}
+    from mcore_rl.models.config import HFModel
+
+    m = HFModel.from_dict(hf_config)
+    return {"E": m.num_experts // rollout.ep_size,
+            "N": m.moe_intermediate_size // (rollout.tp_size // rollout.ep_size),
+            "K": m.hidden_size, "topk": m.num_experts_per_tok}
 
 
 def tiles(fp8: bool) -> list[dict]:
@@ -166,11 +168,12 @@ def main() -> int:
     from mcore_rl import config as C
 
     cfg = C.load_config(a.config, a.overrides)
-    shape, batches = expert_shape(cfg), [int(b) for b in a.batches.split(",")]
+    hf_config = C.hf_model_dims(cfg.model)
+    shape, batches = expert_shape(hf_config, cfg.rollout), [int(b) for b in a.batches.split(",")]
     t0 = time.perf_counter()
     results, files = {}, []
     with tempfile.TemporaryDirectory(prefix="tune_fused_moe_") as work:  # the settings' model config
-        publish_engine_settings(C.hf_model_dims(cfg.model), work)
+        publish_engine_settings(hf_config, work)
         for dtype in a.dtypes.split(","):  # each dtype's file once it is tuned: a cut run keeps the first
             results[dtype] = tune(shape, dtype == "fp8", batches)
             files += write_sglang_configs(a.dir, shape, {dtype: results[dtype]})
