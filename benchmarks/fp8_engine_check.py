@@ -165,13 +165,18 @@ def main() -> int:
                     "(rollout.moe_config_dir); default: the ones it ships")
     a = ap.parse_args()
     os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"  # as the loop's FP8 engines (mcore_rl.rollout.sglang)
-    if a.moe_config_dir:  # the engines' schedulers inherit it
-        os.environ["SGLANG_MOE_CONFIG_DIR"] = os.path.abspath(a.moe_config_dir)
     import random
 
     from mcore_rl import config as C
 
-    cfg = C.load_config(a.config, [f"model.hf_config.num_hidden_layers={a.layers}"] if a.layers else [])
+    # the tile folder goes through the config: a folder without tiles is refused as in the loop
+    try:
+        cfg = C.load_config(a.config, [f"model.hf_config.num_hidden_layers={a.layers}"] * bool(a.layers)
+                            + [f"rollout.moe_config_dir={a.moe_config_dir}"] * bool(a.moe_config_dir))
+    except C.ConfigError as e:
+        ap.error(str(e))
+    if a.moe_config_dir:  # the engines' schedulers inherit it
+        os.environ["SGLANG_MOE_CONFIG_DIR"] = os.path.abspath(a.moe_config_dir)
     hf_config = C.hf_model_dims(cfg.model)
     backend = cfg.rollout.attention_backend or "triton"
     work = tempfile.mkdtemp(prefix="fp8_check_")

@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -93,6 +94,21 @@ def publish_engine_settings(hf_config: dict, work: str) -> None:
 
     model = config_only_model(hf_config, os.path.join(work, "config_only"))
     publish(ServerArgs(model_path=model, skip_tokenizer_init=True, attention_backend="triton"), role="test")
+
+
+def one_rank_group(backend: str = "nccl") -> None:
+    """SGLang's fused-MoE call asks its tensor-parallel group about symmetric memory: a group of
+    this one process, as an engine of TP 1 has."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    with socket.socket() as s:  # a free loopback port for the one-rank rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend=backend,
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
 def micros(call, tile: dict | None) -> float:
@@ -174,6 +190,7 @@ def main() -> int:
     results, files = {}, []
     with tempfile.TemporaryDirectory(prefix="tune_fused_moe_") as work:  # the settings' model config
         publish_engine_settings(hf_config, work)
+        one_rank_group()
         for dtype in a.dtypes.split(","):  # each dtype's file once it is tuned: a cut run keeps the first
             results[dtype] = tune(shape, dtype == "fp8", batches)
             files += write_sglang_configs(a.dir, shape, {dtype: results[dtype]})

@@ -93,9 +93,11 @@ PY
         --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
     moe_tune)  # issue 28: SGLang's fused-MoE tiles for Moonlight's experts on this GPU, into /tmp/moe_configs
       # (then MOE_DIR=/tmp/moe_configs TAG=_tuned ... fp8_speed, or EXTRA_OVERRIDES=rollout.moe_config_dir=... loop1gpu;
-      # 64 FP8 tiles and 128 bf16 ones, each compiled: DTYPES=fp8 and DTYPES=bf16 in calls of their own if one is cut)
+      # 64 FP8 tiles and 128 bf16 ones, each compiled: DTYPES=fp8 and DTYPES=bf16 in calls of their own if one is cut;
+      # decode batches up to 1024 tokens by default, TUNE_BATCHES for others)
       timeout "${LIMIT:-590}" python3 benchmarks/tune_fused_moe.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
-        --dir /tmp/moe_configs --out "$OUT/moe_tune${TAG:-}.json" --dtypes "${DTYPES:-fp8,bf16}" rollout.tp_size=1 \
+        --dir /tmp/moe_configs --out "$OUT/moe_tune${TAG:-}.json" --dtypes "${DTYPES:-fp8,bf16}" \
+        --batches "${TUNE_BATCHES:-1,8,16,32,64,128,256,512,1024}" rollout.tp_size=1 \
         rollout.ep_size=1 2>&1 | quiet | tee "$OUT/moe_tune${TAG:-}.log" | tail -40 ;;
     resume_check)  # issue 24: a resumed run's next step against the uninterrupted run's, on the same batch
       # (about 2.9 checkpoints on disk: LAYERS=4 needs the 128 GiB of a 2-GPU machine, LAYERS=2 fits 64 GiB;
