@@ -74,6 +74,19 @@ def _read_through(sharded: dict, read) -> dict:
     return sharded
 
 
+def _results_in_process() -> None:
+    """megatron hands the write results to finalize() through a queue of a spawned Manager process,
+    made for its forked writers. `ModelSave.write` writes from threads of this process, so a plain
+    queue does: the Manager's start and its unpickling of the first results (it imports torch and
+    megatron first) took 11 of a tiny model's 12 seconds of save on CPU."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        raise RuntimeError("megatron's filesystem_async has no _results_queue: not the version this was written for")
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 class ModelSave:
     """One model's torch_dist save in three parts: made now (collective: the sharded state dict
     and megatron's write plan), `write()` the files (any thread, no collectives), `finalize()`
@@ -87,6 +100,7 @@ class ModelSave:
         dist.barrier()
         # the live tensors (which it references) outlive the save: the caller keeps the model
         sharded = _read_through(sharded_state_dict(unwrap(model)), read)
+        _results_in_process()
         self.request = dist_checkpointing.save(sharded, ckpt_dir, async_sharded_save=True)
         self.args = list(self.request.async_fn_args)
         if self.request.preload_fn:  # host tensors stay where they are; device ones are staged
