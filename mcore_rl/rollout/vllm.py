@@ -28,6 +28,7 @@ import time
 from mcore_rl.rollout import engine_logs, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
+from mcore_rl.rollout.spawn import children_skip_main
 from mcore_rl.sync.plan import EngineLayout
 
 WORKER_EXTENSION = "mcore_rl.rollout.vllm_worker.WeightUpdates"
@@ -126,7 +127,8 @@ class VLLMServer:
 
         self.version, self.device = vllm.__version__, device
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(**engine_args)
+        with children_skip_main():
+            self.llm = vllm.LLM(**engine_args)
         self.start_seconds = time.perf_counter() - t0
         self.asleep = False
 
