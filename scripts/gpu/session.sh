@@ -80,6 +80,8 @@ PY
     async2gpu)  # issue 26 on two GPUs (nvidia-h100-x2): the trainer on one, SGLang on the other, samples/s per
       # mode. Random weights sample near-uniformly, so 1,800 extra stop ids (1.1 % of the vocab) give
       # geometric response lengths: median about 63 tokens, one in 256 past 8x that (cap 512).
+      # STALENESS=1 gives a step's groups one step's time to finish, less than a 512-token response
+      # takes; STALENESS=2 gives them two (benchmarks/RESULTS.md, eighth pass).
       STOPS=$(python3 -c 'print(",".join(map(str, range(1000, 2800))))')
       timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
         --out "$OUT/modes_2gpu${TAG:-}.json" --modes "${MODES:-sync,one_step_off,fully_async}" \
@@ -109,10 +111,11 @@ PY
       python3 -c "import torch; from mcore_rl import config as C; from mcore_rl.plan import plan_for_config
 cfg = C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1', 'rollout.tp_size=1'])
 plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initialized())" 2>&1 | tail -1 ;;
-    run50)  # Moonlight widths, 4 layers, one GPU: steps up to STEPS in /tmp/run50 (resumes what is there)
+    run50)  # Moonlight widths, 4 layers, one GPU: steps up to STEPS in /tmp/run50 (resumes what is there);
+      # one checkpoint kept (33 GiB each: three did not fit beside another GPU's session)
       timeout 590 python3 -m mcore_rl.train --config configs/moonlight_2gpu.yaml trainer.output_dir=/tmp/run50 \
         cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 trainer.total_training_steps="${STEPS:-25}" \
-        trainer.save_freq=10 trainer.test_freq=-1 trainer.val_before_train=false "${EXTRA[@]}" 2>&1 | quiet \
+        trainer.save_freq=10 trainer.max_checkpoints=1 trainer.test_freq=-1 trainer.val_before_train=false "${EXTRA[@]}" 2>&1 | quiet \
         | grep -v "^step .* | timing/" | cut -c1-400 | tail -25
       cp /tmp/run50/metrics.jsonl "$OUT/run50_metrics.jsonl"; ls /tmp/run50/checkpoints ;;
     loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
