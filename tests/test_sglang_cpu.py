@@ -54,3 +54,13 @@ def test_install_puts_stand_ins_before_sglang_and_refuses_to_shadow_a_real_modul
             "print(torchvision.__version__, sgl_kernel.assign_req_to_token_pool_cpu.__module__)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.split() == ["0.28.0", "mcore_rl.rollout.sglang_cpu"], p.stderr
+
+
+def test_an_engine_process_gets_the_stand_ins_at_its_first_sglang_import_and_no_sooner():
+    env = sglang_cpu.child_env()  # as SGLang's processes on CPU start: the site dir and the flag
+    code = "import sys, multiprocessing.resource_tracker; print('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and p.stdout.split() == ["False"], p.stderr  # a process without SGLang: no torch
+    code = "import sgl_kernel, torchvision; print(torchvision.__version__, sgl_kernel.assign_req_to_token_pool_cpu.__module__)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and p.stdout.split() == ["0.28.0", "mcore_rl.rollout.sglang_cpu"], p.stderr
