@@ -20,7 +20,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -101,13 +100,12 @@ def one_rank_group(backend: str = "nccl") -> None:
     this one process, as an engine of TP 1 has."""
     from sglang.srt.distributed import parallel_state as ps
 
+    from mcore_rl.parallel import free_port
+
     if ps.model_parallel_is_initialized():
         return
-    with socket.socket() as s:  # a free loopback port for the one-rank rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend=backend,
-                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                    distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
