@@ -45,8 +45,8 @@ def flatten(named: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = No
         out = torch.empty(total, dtype=torch.uint8, device=device)
     elif out.numel() < total:
         raise ValueError(f"bucket buffer of {out.numel()} bytes is smaller than {total}")
-    for (_, t), m in zip(named, metas):
-        out[m.start_idx:m.end_idx].copy_(t.contiguous().view(-1).view(torch.uint8))
+    if named:  # one cat, not a copy per tensor: a bucket of experts holds hundreds of small tensors
+        torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named], out=out[:total])
     return out[:total], metas
 
 
