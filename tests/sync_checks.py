@@ -85,6 +85,27 @@ def check_verified_grpo_steps(out: str, *overrides, steps: int = 3) -> None:
         _reward_rises(out)
 
 
+def grpo_steps(run, steps: int, verify: bool | None = None, prompts=None) -> list[dict]:
+    """Steps 1..`steps` of GRPO on a started_run's pieces, as `python -m mcore_rl.train`'s loop takes
+    them: each step's metrics with those of the sync after it (every sync read back when `verify`);
+    `prompts(step)`: a step's prompt indices (default: the trainer's own, `step_prompts`)."""
+    import functools
+
+    from mcore_rl.train import Phases, rl_step, step_prompts
+
+    cfg, group, engine, sync, source = run
+    phases = Phases(cfg, group, engine, functools.partial(sync, verify=verify))
+    prompts = prompts or (lambda step: step_prompts(cfg, source, step))
+    done = []
+    try:
+        for step in range(1, steps + 1):
+            metrics = rl_step(cfg, group, engine, phases, source, prompts(step), step)
+            done.append({**metrics, **phases.to_rollout(step)})
+    finally:
+        phases.mon.close()
+    return done
+
+
 def check_a_corrupted_tensor_fails(run, match: str) -> None:
     """kv_b_proj of layer 1 sent slightly off: the sync's check fails (`match`); a good sync heals it."""
     from mcore_rl.sync.checksum import WeightMismatch

@@ -13,21 +13,10 @@ from __future__ import annotations
 import pytest
 
 from tests.sync_checks import (BROADCAST, DISK, VLLM_TINY, check_a_corrupted_tensor_fails, check_a_skipped_sync_fails,
-                               check_verified_grpo_steps, logp_gap, started_run, train)
-from tests.test_train import _reward_rises, by_step
+                               check_verified_grpo_steps, grpo_steps, logp_gap, started_run)
+from tests.test_train import reward_rises
 
 PROBE_FAILED = "log-probs of the probe sequences differ from the trainer's"
-
-
-def test_tiny_grpo_learns_with_vllm(tmp_path):
-    out = str(tmp_path / "run")
-    p = train(out, *VLLM_TINY, "trainer.save_freq=-1", "rollout.verify_sync_every=1")
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    assert len(_reward_rises(out)) == 30
-    steps = by_step(out)
-    diffs = [steps[k]["rollout/logp_diff_abs_mean"] for k in range(1, 31)]  # after every sync: same weights
-    assert max(diffs) < 1e-3, diffs
-    assert all(steps[k]["sync/verified"] == 1.0 for k in range(0, 31))
 
 
 # first, before the module's engine fixture starts: its engines, alive on the same 2 cores, slowed
@@ -47,6 +36,17 @@ def test_the_check_passes_and_logprobs_match_after_a_sync(run):
     cfg, group, engine, sync, source = run
     assert sync(0)["sync/verified"] == 1.0  # the first sync is always checked
     assert logp_gap(cfg, group, engine, source) < 1e-3
+
+
+def test_tiny_grpo_learns_with_vllm(run):
+    """The README's 30 steps, on the module's actors and engines after the first sync (the
+    transports' runs above take them through `python -m mcore_rl.train`): the reward rises, every
+    sync passes the check, and vLLM's log-probs equal the trainer's after each."""
+    steps = grpo_steps(run, 30, verify=True)
+    reward_rises(steps)
+    diffs = [m["rollout/logp_diff_abs_mean"] for m in steps]  # after every sync: same weights
+    assert max(diffs) < 1e-3, diffs
+    assert all(m["sync/verified"] == 1.0 for m in steps)
 
 
 def test_a_corrupted_tensor_fails_the_check(run):
