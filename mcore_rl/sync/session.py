@@ -12,6 +12,7 @@ now hold, accumulated from what it sent (`mcore_rl.sync.engine_layout.ExpectedDi
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -22,6 +23,9 @@ from mcore_rl.sync import LiveShards, SyncPlan, sync_weights
 from mcore_rl.sync.engine_layout import ExpectedDigests
 
 TRANSPORTS = ("ipc", "broadcast", "disk")
+# MCORE_RL_PROFILE_SYNC=N: the N-th sync of trainer rank 0 runs under cProfile, its top functions
+# (by own time) printed to the actor's log: where a sync's host seconds go, on any machine
+PROFILE_SYNC = int(os.environ.get("MCORE_RL_PROFILE_SYNC", "0"))
 
 
 @dataclass
@@ -45,7 +49,7 @@ class SyncSession:
     def __init__(self, model, spec: SyncSpec, read=None):
         from mcore_rl.sync import transports as T
 
-        self.spec, self.rank = spec, dist.get_rank()
+        self.spec, self.rank, self.syncs = spec, dist.get_rank(), 0
         self.shards = LiveShards(model, spec.plan, read=read)
         spec.plan.check_complete()
         cuda = torch.cuda.is_available()
@@ -75,7 +79,9 @@ class SyncSession:
         fed = self._fed() if verify else {}
         plan = self.spec.plan
         acc = ExpectedDigests(plan.engine, plan.hf, sorted({r for ranks in fed.values() for r in ranks}))
-        stats = sync_weights(plan, self.shards, self.transport, observe=acc.add if fed else None)
+        self.syncs += 1
+        with _profiled(self.syncs == PROFILE_SYNC and self.rank == 0, f"sync {self.syncs}, trainer rank 0"):
+            stats = sync_weights(plan, self.shards, self.transport, observe=acc.add if fed else None)
         if torch.cuda.is_available():
             # the buckets and gathered shards are free now; cached, they would stay on the GPU all
             # rollout (measured: 2.5 GiB of the trainer's while the engine generated, at Moonlight widths)
@@ -96,3 +102,23 @@ def merge_expected(results: list[dict]) -> dict[int, dict[int, dict]]:
 
 def disk_root(run_dir: str) -> str:
     return os.path.join(run_dir, "sync_disk")
+
+
+@contextlib.contextmanager
+def _profiled(on: bool, what: str, top: int = 30):
+    if not on:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        print(f"[profile of {what}; engine calls run in a thread and are not in it]\n{text.getvalue()}", flush=True)
