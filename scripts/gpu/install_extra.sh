@@ -5,6 +5,7 @@ set -euo pipefail
 d=$(cd "$(dirname "$0")" && pwd)
 keep=/tmp/gpu-extra
 mkdir -p "$keep" && cp "$d"/* "$keep"/
+[ -f "$keep/py-spy" ] && chmod +x "$keep/py-spy"  # PYSPY=1 in scripts/gpu/session.sh
 name=$(cat "$keep/RAY")
 if ls "$keep"/ray.part00 "$keep"/ray.part01 >/dev/null 2>&1; then
   cat "$keep"/ray.part0* > "$keep/$name"
@@ -12,5 +13,6 @@ if ls "$keep"/ray.part00 "$keep"/ray.part01 >/dev/null 2>&1; then
     --upgrade --target /tmp/sglang-site "$keep/$name" "$keep"/megatron_core-*.whl "$keep"/mmh3-*.whl 2>&1 | grep -v -i warning || true
   PYTHONPATH=/tmp/sglang-site python3 -c "import ray, megatron.core; print('gpu-extra: ready, ray', ray.__version__, 'megatron-core', megatron.core.__version__)"
 else
-  echo "gpu-extra: $(ls "$keep" | grep -c part) of 2 ray pieces here"
+  set -- "$keep"/ray.part*
+  echo "gpu-extra: $# of 2 ray pieces here"
 fi

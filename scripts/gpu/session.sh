@@ -31,6 +31,8 @@ print(sys.argv[2], "steps", len(tr), "reward first3", round(sum(s["reward/mean"]
 PY
 }
 read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
+PY=(python3)  # PYSPY=1: the benchmark's driver under py-spy (staged by scripts/gpu/stage_extra.sh), raw stacks to $OUT
+[ -n "${PYSPY:-}" ] && PY=(/tmp/gpu-extra/py-spy record -o "$OUT/driver_pyspy${TAG:-}.txt" --format raw -r 25 --threads --nonblocking -- python3)
 # per-process memory while the parts run: host RSS (top 12) and each process's GPU memory
 (while sleep 1; do date +%T; ps -eo pid,rss,comm --sort=-rss | head -12
    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; done > "$OUT/proc_mem.log" 2>&1) &
@@ -73,7 +75,7 @@ for name, x in (("PinnedBuffer", b.tensor), ("pin_memory", t)):
     print(name, "read in a forked child: exit status", os.waitpid(pid, 0)[1], flush=True)
 PY
       ;;
-    loop1gpu) timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+    loop1gpu) timeout "${LIMIT:-590}" "${PY[@]}" benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
                 --out "$OUT/loop_${LAYERS:-4}L${TAG:-}.json" ${NO_ALONE:+--no-engine-alone} \
                 cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers="${LAYERS:-4}" \
                 trainer.total_training_steps="${STEPS:-3}" "${EXTRA[@]}" 2>&1 | quiet | tail -60 ;;
@@ -81,9 +83,9 @@ PY
       # mode. Random weights sample near-uniformly, so 1,800 extra stop ids (1.1 % of the vocab) give
       # geometric response lengths: median about 63 tokens, one in 256 past 8x that (cap 512).
       # STALENESS=1 gives a step's groups one step's time to finish, less than a 512-token response
-      # takes; STALENESS=2 gives them two (benchmarks/RESULTS.md, eighth pass).
+      # takes: 0.86x sync; 2 gave 1.32x and 4 1.53x (benchmarks/RESULTS.md, eighth and ninth passes).
       STOPS=$(python3 -c 'print(",".join(map(str, range(1000, 2800))))')
-      timeout "${LIMIT:-590}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
+      timeout "${LIMIT:-590}" "${PY[@]}" benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
         --out "$OUT/modes_2gpu${TAG:-}.json" --modes "${MODES:-sync,one_step_off,fully_async}" \
         cluster.n_gpus_per_node=2 cluster.colocate=false cluster.rollout_gpus=1 parallel.ep=1 rollout.tp_size=1 \
         "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 trainer.save_last=false \
