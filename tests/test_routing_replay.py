@@ -1,11 +1,7 @@
-"""R3, rollout routing replay, against SGLang's real CPU engine: two Megatron ranks (EP=2) and two
-colocated engines of configs/tiny_cpu.yaml with actor.routing_replay=true.
-
-The trainer's expert bias is shifted after the sync, on the trainer only: its own top-k then
-differs from the engine's, while the expert weights (sigmoid scores without the bias) do not. So
-with replay the trainer must take the engine's experts for every (token, layer) and give the
-engine's log-probs; without it, agreement falls below 1 and so does the log-prob match. Both sides
-are read: the engine's routes as it returned them, the trainer's as its routers took them.
+"""R3, rollout routing replay: the routes' layout next to their tokens, their errors, replay through
+activation recompute and at pipeline and tensor parallel layouts. R3 against SGLang's real CPU
+engine (replayed routes are the engine's and so are the log-probs; GRPO learns with replay) runs in
+tests/test_train_sglang.py, on the engines and actors of its sync checks: one start for both.
 """
 
 from __future__ import annotations
@@ -15,113 +11,12 @@ import os
 import pytest
 import torch
 
-from mcore_rl import config as C
-from mcore_rl import ppo
 from mcore_rl.routing import ExpertLayout, RouteError, batch_routes
 from mcore_rl.rollout.base import Completion
-from tests.sync_checks import started_run
 
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    with started_run(str(tmp_path_factory.mktemp("r3_run")), ("actor.routing_replay=true",)) as parts:
-        cfg, group, engine, sync, source = parts
-        sync(0)
-        group.call("run", shift_expert_bias)
-        yield parts
-
-
-def shift_expert_bias(actor):
-    """Trainer only: a bias that reorders each token's experts, not their weights."""
-    g = torch.Generator().manual_seed(actor.rank)
-    for m in actor.model.modules():
-        if getattr(m, "expert_bias", None) is not None:
-            m.expert_bias.add_(torch.randn(m.expert_bias.shape, generator=g) * 0.5)
-
-
-def set_replay(actor, on: bool):
-    actor.cfg["actor"]["routing_replay"] = on
-
-
-def old_log_probs(group, batch, replay: bool):
-    """(log-probs, the trainer's routes in the batch's layout, route agreement) of one pass."""
-    group.call("run", set_replay, replay)
-    logp = torch.cat(group.call("log_probs", batch))
-    routes = torch.cat(group.call("run", lambda a: a.trainer_routes))  # each rank's data-parallel slice
-    return logp, routes, group.call("route_agreement")[0]
-
-
-def rollout(cfg, engine, source, seed=3):
-    idx = [i for i in range(8) for _ in range(cfg.rollout.n)]
-    experts = ExpertLayout.of(C.hf_model_dims(cfg.model))
-    return idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed=seed), experts)
-
-
-def test_replayed_routes_are_the_engines_and_so_are_the_log_probs(run):
-    cfg, group, engine, _, source = run
-    _, batch = rollout(cfg, engine, source)
-    engine_routes, mask = batch["routes"], batch["response_mask"].bool()
-    assert (engine_routes >= 0).any(-1).any(-1).sum() > 0
-    logp, trainer_routes, agreement = old_log_probs(group, batch, replay=True)
-    routed = engine_routes[..., 0] >= 0  # every real token but each sample's last
-    real = batch["attention_mask"].bool()[..., None].expand_as(routed)
-    assert ((trainer_routes[..., 0] >= 0) == real).all(), "the trainer did not route exactly the real tokens"
-    same = (trainer_routes.sort(-1).values == engine_routes.sort(-1).values).all(-1)
-    assert same[routed].all() and agreement == 1.0
-    gap = (logp - batch["rollout_log_probs"])[mask].abs()
-    assert gap.max() < 1e-4, gap.max()  # weights come from the live router's dense scores
-
-    logp_off, trainer_off, agreement_off = old_log_probs(group, batch, replay=False)
-    same_off = (trainer_off.sort(-1).values == engine_routes.sort(-1).values).all(-1)[routed]
-    assert 0.0 < agreement_off < 1.0 and agreement_off == pytest.approx(same_off.double().mean().item())
-    assert (logp_off - batch["rollout_log_probs"])[mask].abs().mean() > 10 * gap.mean()
-    print(f"route agreement, trainer expert bias shifted: replay {agreement}, live {agreement_off:.3f}")
-
-
-def test_router_learns_under_replay(run):
-    """Replayed experts, live weights: the update's gradient reaches the router."""
-    cfg, group, engine, _, source = run
-    idx, batch = rollout(cfg, engine, source, seed=4)
-    group.call("run", set_replay, True)
-    batch["old_log_probs"] = torch.cat(group.call("log_probs", batch))
-    ppo.advantages(cfg, batch, torch.rand(len(idx)), idx)
-    before = group.call("run", router_weights)
-    group.call("update", batch)
-    after = group.call("run", router_weights)
-    assert all((a - b).abs().max() > 0 for a, b in zip(after, before))
-
-
+# the engine-trainer mismatch metrics a step logs (tests/test_train.py, tests/test_train_sglang.py)
 MISMATCH = ("rollout/logp_diff_abs_mean", "rollout/logp_diff_abs_max", "rollout/token_mult_prob_error",
             "rollout/kl_k3", "rollout/route_agreement")
-
-
-def test_grpo_learns_with_replay(run):
-    """The README's tiny GRPO job, on these actors and engines, with replay: the reward rises from
-    about 0.1 to above 0.7 in 30 steps, every step replays the engine's experts exactly and logs
-    the mismatch metrics."""
-    from mcore_rl.train import Phases, rl_step
-
-    cfg, group, engine, sync, source = run
-    phases = Phases(cfg, group, engine, sync)
-    order = torch.randperm(len(source.prompts), generator=torch.Generator().manual_seed(0))
-    B, steps = cfg.data.train_batch_size, []
-    try:
-        for step in range(1, 31):
-            steps.append(rl_step(cfg, group, engine, phases, source, order[step * B:(step + 1) * B].tolist(), step))
-            phases.to_rollout(step)
-    finally:
-        phases.mon.close()
-    assert all(set(MISMATCH) <= set(m) and m["rollout/route_agreement"] == 1.0 for m in steps), steps[-1]
-    assert max(m["rollout/logp_diff_abs_max"] for m in steps[1:]) < 1e-3
-    first, last = (sum(m["reward/mean"] for m in part) / 3 for part in (steps[:3], steps[-3:]))
-    print("reward with replay:", [round(m["reward/mean"], 2) for m in steps])
-    assert first < 0.3 and last > 0.7, f"reward did not rise: first {first:.2f}, last {last:.2f}"
-
-
-def router_weights(actor) -> torch.Tensor:
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return torch.cat([m.weight.detach().flatten().clone() for m in actor.model.modules() if isinstance(m, TopKRouter)])
 
 
 LAYOUT = ExpertLayout(num_experts=4, topk=2, moe_layers=(1,))
