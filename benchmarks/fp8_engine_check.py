@@ -26,7 +26,9 @@ graphs on and the decode batch capped as in the loop (`--batch` requests, cuda_g
 max_running_requests = batch), each decoding `--new-tokens` tokens per request past the EOS; the
 median generation tokens/s of three timed batches after a warm-up, and FP8's ratio. A few layers
 leave the step to what FP8 does not touch (attention, lm_head, sampling); the real depth says what
-FP8 buys a real model's rollout.
+FP8 buys a real model's rollout. `--kinds fp8` measures one engine; `--deep-gemm` and
+`--fp8-engine-arg KEY=VALUE` (e.g. `moe_runner_backend=...`) try the FP8 engine on other kernels
+than the loop's (triton's block-FP8 GEMMs and fused MoE).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -98,8 +102,10 @@ def engine(model_dir: str, attention_backend: str, **extra):
     return sglang.Engine(**adapt_args({**args, **extra}, server_arg_names()))
 
 
-def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    """{"bf16", "fp8"}: median generation tokens/s of each engine on dummy weights (see the module doc)."""
+def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int, new_tokens: int,
+          kinds=("bf16", "fp8"), fp8_args: dict | None = None) -> dict:
+    """{kind: median generation tokens/s} of each engine on dummy weights (see the module doc);
+    `fp8_args`: engine arguments of the FP8 engine alone (its MoE or GEMM backends)."""
     import random
 
     from mcore_rl.rollout.model_files import engine_model_dir
@@ -111,11 +117,12 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
     prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     out = {}
-    for kind in ("bf16", "fp8"):
+    for kind in kinds:
         model_dir = engine_model_dir(raw, os.path.join(work, kind), eos,
                                      quantization_config=fp8.QUANTIZATION_CONFIG if kind == "fp8" else None)
+        extra = (fp8_args or {}) if kind == "fp8" else {}
         eng = engine(model_dir, backend, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
-                     cuda_graph_max_bs=batch, max_running_requests=batch)
+                     cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
         try:  # ignore_eos: every request decodes new_tokens
             seconds = timed_calls(lambda: eng.generate(input_ids=prompts, sampling_params=params), iters=3)
             rates = [batch * new_tokens / s for s in seconds]
@@ -163,8 +170,27 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=128, help="--speed: requests decoded together")
     ap.add_argument("--moe-config-dir", help="SGLang's fused-MoE tiles from benchmarks/tune_fused_moe.py "
                     "(rollout.moe_config_dir); default: the ones it ships")
+    ap.add_argument("--kinds", default="bf16,fp8", help="--speed: which engines (bf16, fp8)")
+    ap.add_argument("--fp8-engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="--speed: an SGLang engine argument of the FP8 engine alone, e.g. moe_runner_backend=triton "
+                    "(repeatable; values parsed as YAML)")
+    ap.add_argument("--deep-gemm", action="store_true", help=(
+        "--speed: DeepGEMM's JIT on, SGLang's own default on Hopper; the loop keeps it off, whose sync "
+        "reads back the block scales the engine holds (mcore_rl.rollout.sglang.engine_env)"))
     a = ap.parse_args()
-    os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"  # as the loop's FP8 engines (mcore_rl.rollout.sglang)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    if not a.speed and (a.fp8_engine_arg or a.deep_gemm or kinds != ("bf16", "fp8")):
+        ap.error("--kinds, --fp8-engine-arg and --deep-gemm are for --speed")
+    if set(kinds) - {"bf16", "fp8"} or not kinds:
+        ap.error(f"--kinds {a.kinds!r}: a comma-separated subset of bf16,fp8")
+    fp8_args = {}
+    for item in a.fp8_engine_arg:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            ap.error(f"--fp8-engine-arg {item!r}: expected KEY=VALUE")
+        fp8_args[key] = yaml.safe_load(value)
+    # as the loop's FP8 engines (mcore_rl.rollout.sglang), unless measuring DeepGEMM
+    os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "1" if a.deep_gemm else "0"
     import random
 
     from mcore_rl import config as C
@@ -182,14 +208,15 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="fp8_check_")
     t0 = time.perf_counter()
     if a.speed:
-        rates = speed(hf_config, work, backend, a.batch, a.prompt_len, a.new_tokens)
-        ratio = rates["fp8"]["tokens_per_s"] / rates["bf16"]["tokens_per_s"]
+        rates = speed(hf_config, work, backend, a.batch, a.prompt_len, a.new_tokens, kinds, fp8_args)
+        ratio = rates["fp8"]["tokens_per_s"] / rates["bf16"]["tokens_per_s"] if len(rates) == 2 else None
         write_json({"config": a.config, "hf_config": hf_config, "batch": a.batch, "prompt_len": a.prompt_len,
                     "new_tokens": a.new_tokens, "attention_backend": backend, "moe_config_dir": a.moe_config_dir,
-                    "speed": rates, "fp8_over_bf16": ratio,
+                    "fp8_engine_args": fp8_args, "deep_gemm": a.deep_gemm, "speed": rates, "fp8_over_bf16": ratio,
                     "wall_s": round(time.perf_counter() - t0, 1)}, a.out)
         print(table(["engine", "tokens/s (median of 3)"], [[k, v["tokens_per_s"]] for k, v in rates.items()], digits=0))
-        print(f"fp8 / bf16: {ratio:.3f}x ({hf_config['num_hidden_layers']} layers, batch {a.batch})")
+        if ratio:
+            print(f"fp8 / bf16: {ratio:.3f}x ({hf_config['num_hidden_layers']} layers, batch {a.batch})")
         return 0
     dirs = write_models(hf_config, work, a.seed)
     rng = random.Random(a.seed)

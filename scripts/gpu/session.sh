@@ -31,6 +31,7 @@ print(sys.argv[2], "steps", len(tr), "reward first3", round(sum(s["reward/mean"]
 PY
 }
 read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
+read -r -a FP8 <<< "${FP8_ARGS:-}"
 PY=(python3)  # PYSPY=1: the benchmark's driver under py-spy (staged by scripts/gpu/stage_extra.sh), raw stacks to $OUT
 [ -n "${PYSPY:-}" ] && PY=(/tmp/gpu-extra/py-spy record -o "$OUT/driver_pyspy${TAG:-}.txt" --format raw -r 25 --threads --nonblocking -- python3)
 # per-process memory while the parts run: host RSS (top 12) and each process's GPU memory
@@ -91,10 +92,11 @@ PY
         "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 trainer.save_last=false \
         data.task_val_size=32 trainer.partial_rollout_tokens="${SEGMENT:-64}" trainer.max_staleness="${STALENESS:-1}" \
         trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/modes_2gpu${TAG:-}.log" | tail -40 ;;
-    fp8_speed)  # issue 28: SGLang alone on dummy weights, bf16 then FP8, at a real depth (Moonlight: 27 layers)
+    fp8_speed)  # issue 28: SGLang alone on dummy weights, bf16 then FP8, at a real depth (Moonlight: 27 layers);
+      # FP8_ARGS for the FP8 engine's kernels, e.g. "--kinds fp8 --deep-gemm" or "--fp8-engine-arg moe_runner_backend=..."
       timeout "${LIMIT:-590}" python3 benchmarks/fp8_engine_check.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
         --out "$OUT/fp8_speed_${LAYERS:-27}L${TAG:-}.json" --speed --layers "${LAYERS:-27}" --batch "${BATCH:-128}" \
-        --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
+        --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} "${FP8[@]}" 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
     moe_tune)  # issue 28: SGLang's fused-MoE tiles for Moonlight's experts on this GPU, into /tmp/moe_configs
       # (then MOE_DIR=/tmp/moe_configs TAG=_tuned ... fp8_speed, or EXTRA_OVERRIDES=rollout.moe_config_dir=... loop1gpu;
       # 64 FP8 tiles and 128 bf16 ones, each compiled: DTYPES=fp8 and DTYPES=bf16 in calls of their own if one is cut;
