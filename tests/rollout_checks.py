@@ -157,15 +157,32 @@ def check_order_across_two_engines(group):
     assert [c.token_ids for g in split for c in g] == [c.token_ids for c in alone]
 
 
+def tp2_fixture(engine: str, starter, family: str):
+    """A module fixture `tp2`: one TP=2 engine of `family`, for the TP=2 checks and then the
+    hung-and-killed one (check_hung_and_killed), which ends it: one engine start for both.
+    Assign it at the module's top level: `tp2 = tp2_fixture(...)`."""
+
+    @pytest.fixture(scope="module", name="tp2")
+    def tp2(ray_cluster, models):
+        group = start(ray_cluster, starter, engine, models[family][1], tp=2)
+        yield group
+        if group.actors:  # not ended by the hung-and-killed check
+            group.shutdown()
+
+    return tp2
+
+
 def engine_processes(group) -> list[psutil.Process]:
     pids = group.ray.get([a.child_pids.remote() for a in group.actors])
     return [psutil.Process(p) for ps in pids for p in ps if psutil.pid_exists(p)]
 
 
 def check_hung_and_killed(ray, group, victims: list[psutil.Process], label: str, timeout_s: int = 20):
-    """SIGSTOP `victims` (a hung engine): generate fails at the deadline; then SIGKILL them
-    mid-rollout (a dead one): an EngineError naming the engine, well before the deadline.
-    Afterwards no engine process outlives shutdown."""
+    """SIGSTOP `victims` (a hung engine): generate fails at the deadline (`timeout_s`, the driver's
+    rollout.timeout_s, which the group reads at each call); then SIGKILL them mid-rollout (a dead
+    one): an EngineError naming the engine, well before the deadline. Afterwards no engine process
+    outlives shutdown."""
+    group.timeout_s = timeout_s
     procs = engine_processes(group)
     try:
         for p in victims:

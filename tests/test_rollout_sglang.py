@@ -18,6 +18,7 @@ from tests import rollout_checks as R
 from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
 
 models, ds_two = R.engine_fixtures("sglang", start_sglang, engine_model_dir, ("deepseek_v3", "qwen2"))
+tp2 = R.tp2_fixture("sglang", start_sglang, "qwen2")
 
 
 class TestEngineContract(R.EngineContract):
@@ -44,19 +45,18 @@ def test_release_right_after_generate(ds_two):
     assert all(h["alive"] for h in ds_two.health())
 
 
-def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - fixtures
-    with R.running(ray_cluster, start_sglang, "sglang", models["qwen2"][1], engines=1, tp=2) as group:
-        R.check_against_transformers(group, models["qwen2"][0])
-        lo, hi = LISTEN_PORTS  # the ranks met at our port, not at SGLang's ephemeral pick
-        assert all(lo <= h["nccl_port"] < hi for h in group.health()), group.health()
-        digests = group.weight_digests()[0]
-        assert sorted(digests) == [0, 1]  # both ranks read back
-        qkv = "model.layers.0.self_attn.qkv_proj.weight"
-        assert digests[0][qkv][1] == [64, 64] and digests[0][qkv][3:] != digests[1][qkv][3:]  # split over TP
+def test_tp2_engine_equals_transformers(tp2, models):
+    R.check_against_transformers(tp2, models["qwen2"][0])
+    lo, hi = LISTEN_PORTS  # the ranks met at our port, not at SGLang's ephemeral pick
+    assert all(lo <= h["nccl_port"] < hi for h in tp2.health()), tp2.health()
+    digests = tp2.weight_digests()[0]
+    assert sorted(digests) == [0, 1]  # both ranks read back
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert digests[0][qkv][1] == [64, 64] and digests[0][qkv][3:] != digests[1][qkv][3:]  # split over TP
 
 
-def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - fixtures
-    group = R.start(ray_cluster, start_sglang, "sglang", models["qwen2"][1], timeout_s=20)
-    procs = R.engine_processes(group)
+def test_hung_and_killed_engines_are_clear_errors(ray_cluster, tp2):  # noqa: F811 - fixtures
+    """On the TP=2 engine (both ranks' schedulers hung, then killed); last: it ends that engine."""
+    procs = R.engine_processes(tp2)
     schedulers = [p for p in procs if "sglang" in " ".join(p.cmdline()).lower() or p.name().startswith("sglang")]
-    R.check_hung_and_killed(ray_cluster, group, schedulers or procs, "SGLang")
+    R.check_hung_and_killed(ray_cluster, tp2, schedulers or procs, "SGLang")

@@ -23,6 +23,7 @@ from tests import rollout_checks as R
 from tests.rollout_checks import ray_cluster  # noqa: F401 - a fixture
 
 models, ds_two = R.engine_fixtures("vllm", start_vllm, engine_model_dir, ("deepseek_v3_vllm", "qwen2_vllm"))
+tp2 = R.tp2_fixture("vllm", start_vllm, "qwen2_vllm")
 
 
 class TestEngineContract(R.EngineContract):
@@ -146,21 +147,19 @@ def test_a_bad_update_is_refused_and_the_engine_keeps_its_weights(ds_two, models
     R.check_against_transformers(ds_two, hf, R.PROMPTS[:2], steps=4)
 
 
-def test_tp2_engine_equals_transformers(ray_cluster, models):  # noqa: F811 - fixtures
-    with R.running(ray_cluster, start_vllm, "vllm", models["qwen2_vllm"][1], engines=1, tp=2) as group:
-        R.check_against_transformers(group, models["qwen2_vllm"][0])
+def test_tp2_engine_equals_transformers(tp2, models):
+    R.check_against_transformers(tp2, models["qwen2_vllm"][0])
 
 
-def test_hung_and_killed_engines_are_clear_errors(ray_cluster, models):  # noqa: F811 - fixtures
+def test_hung_and_killed_engines_are_clear_errors(ray_cluster, tp2):  # noqa: F811 - fixtures
     """vLLM's processes stopped: the deadline; killed mid-rollout: vLLM itself would block for ever
-    (0.32), the watchdog makes it an error at once."""
-    group = R.start(ray_cluster, start_vllm, "vllm", models["qwen2_vllm"][1], timeout_s=20)
-    # vLLM's own processes (engine core, worker): every child but multiprocessing's resource
+    (0.32), the watchdog makes it an error at once. On the TP=2 engine; it ends that engine."""
+    # vLLM's own processes (engine core, workers): every child but multiprocessing's resource
     # tracker. Their titles ("VLLM::EngineCore") are not relied on: CI once saw them unset.
-    procs = R.engine_processes(group)
+    procs = R.engine_processes(tp2)
     vllm_procs = [p for p in procs if "resource_tracker" not in " ".join(p.cmdline())]
     assert vllm_procs and len(vllm_procs) < len(procs), [p.cmdline() for p in procs]
-    R.check_hung_and_killed(ray_cluster, group, vllm_procs, "vLLM")
+    R.check_hung_and_killed(ray_cluster, tp2, vllm_procs, "vLLM")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
