@@ -105,6 +105,10 @@ class RolloutConfig(Section):
     cpu_kv_tokens: int = Field(8192, ge=1, description="an engine's KV cache on CPU (not a fraction of memory there)")
     sync_transport: Literal["auto", "ipc", "broadcast", "disk"] = Field(
         "auto", description="auto: ipc colocated, else broadcast")
+    sync_load: Literal["sglang", "direct"] = Field("sglang", description=(
+        "how an SGLang engine takes a synced bucket over ipc. sglang: its model's load_weights. direct: copied "
+        "straight into its parameters by the read-back's placement table (mcore_rl.sync.engine_layout.load_direct), "
+        "without SGLang's per-tensor name matching; GQA models in bf16 (SGLang derives state from MLA and FP8 weights)"))
     verify_sync_every: int = Field(0, ge=0, description=(
         "read the engines back after the first sync and every N steps (0: first only)"))
     verify_logprob_tol: float = Field(1e-3, gt=0, description=(

@@ -329,6 +329,23 @@ def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
                       fp8_misfits(HFModel.from_dict(hf), EngineLayout(tp, cfg.rollout.ep_size, 1, tp)))
 
 
+def _check_direct_load(cfg: Config, errors: list[str], hf: dict | None) -> None:
+    """rollout.sync_load=direct: SGLang over ipc, models SGLang derives nothing from after loading."""
+    r = cfg.rollout
+    if r.sync_load != "direct":
+        return
+    transport = r.sync_transport if r.sync_transport != "auto" else "ipc" if cfg.cluster.colocate else "broadcast"
+    if r.engine != "sglang" or transport != "ipc":
+        errors.append(f"rollout.sync_load=direct needs SGLang over the ipc transport (colocated), not "
+                      f"{r.engine} over {transport}")
+    if r.weight_dtype != "bf16":
+        errors.append("rollout.sync_load=direct loads bf16 weights; SGLang processes FP8 ones after loading "
+                      "(use sync_load: sglang)")
+    if hf is not None and str(hf.get("model_type", "")).startswith("deepseek"):
+        errors.append(f"rollout.sync_load=direct: SGLang derives MLA's absorbed weights after loading "
+                      f"({hf.get('model_type')}); use sync_load: sglang")
+
+
 def returns_routes(cfg: Config, hf: dict | None = None) -> bool:
     """Whether the rollout engines return each token's routed experts (SGLang, an MoE model)."""
     hf = hf if hf is not None else hf_model_dims(cfg.model)
@@ -374,6 +391,7 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     _check_algorithm(cfg, errors)
     _check_corrections(cfg, errors)
     _check_fp8(cfg, errors, hf if sound else None)
+    _check_direct_load(cfg, errors, hf if sound else None)
     if errors:
         raise ConfigError(errors)
     if cfg.rollout.max_prompt_len is None:

@@ -279,3 +279,19 @@ def test_a_band_without_dots_is_a_band_not_a_number(tmp_path):
         assert parse_is_threshold(cfg.algorithm.rollout_correction.rollout_is_threshold) == Bounds(2.0, 0.5)
     assert load_config(None, ["algorithm.rollout_correction.rollout_is_threshold=3"], validate=False) \
         .algorithm.rollout_correction.rollout_is_threshold == 3.0
+
+
+def test_direct_sync_load_is_refused_where_sglang_derives_state_or_no_ipc_runs():
+    from tests.sync_checks import BROADCAST, QWEN3_MOE_TINY
+
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")  # SGLang colocated: ipc
+    qwen3 = ["rollout.sync_load=direct", *QWEN3_MOE_TINY]
+    assert load_config(tiny, qwen3).rollout.sync_load == "direct"
+    for overrides, line in (
+            (["rollout.sync_load=direct"], "rollout.sync_load=direct: SGLang derives MLA's absorbed weights after "
+                                           "loading (deepseek_v3); use sync_load: sglang"),
+            ([*qwen3, *BROADCAST], "rollout.sync_load=direct needs SGLang over the ipc transport (colocated), "
+                                   "not sglang over broadcast"),
+            ([*qwen3, "rollout.engine=vllm"], "rollout.sync_load=direct needs SGLang over the ipc transport "
+                                              "(colocated), not vllm over ipc")):
+        assert line in errors_of(overrides, path=tiny)

@@ -36,6 +36,10 @@ CASES = {  # name: (family, trainer layout, engine tp, engine ep, transport)
     "glm_tp2_from_tp2": ("glm4_moe", Layout(tp=2), 2, 1, "ipc"),
     "ds_tp2ep2_broadcast": ("deepseek_v3", Layout(ep=2), 2, 2, "broadcast"),  # gloo stands in for NCCL
     "ds_tp2_disk": ("deepseek_v3", Layout(tp=2), 2, 1, "disk"),  # synced twice: versions replace each other
+    # rollout.sync_load=direct: buckets copied into SGLang's parameters by the placement table, not its loader
+    "qwen3moe_tp2ep2_direct": ("qwen3_moe_one_kv_head", Layout(ep=2), 2, 2, "direct"),
+    "glm_tp2_direct": ("glm4_moe", Layout(tp=2), 2, 1, "direct"),
+    "qwen2_tp2_direct": ("qwen2", Layout(tp=2), 2, 1, "direct"),
 }
 BUCKET = 48 << 10  # small, so every model needs many buckets
 
@@ -130,6 +134,12 @@ class ThreadedEngine:
         names = [m.name for m in data["metadata"]]
         return self._loaded(names, self.updater.update_weights_from_tensor(data, load_format=load_format))
 
+    def _direct(self, payloads, layout, hf):
+        from mcore_rl.rollout.sglang_plugin import load_bucket_direct
+
+        load_bucket_direct(self.updater.get_model(), payloads[self.rank], layout, hf, self.rank)
+        self.loaded_in_session = True
+
     def _init_group(self, kwargs):
         return self.updater.init_weights_update_group(**kwargs)
 
@@ -150,6 +160,9 @@ class ThreadedEngine:
 
     def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=True):
         self._call("tensor", payloads, load_format)
+
+    def load_weights_direct(self, payloads, layout, hf, flush_cache=True):
+        self._call("direct", payloads, layout, hf)
 
     def init_weights_update_group(self, **kwargs):
         self._call("init_group", kwargs)
@@ -202,9 +215,10 @@ def _transport(kind: str, engine, plan, root: str, hf_dir: str):
     from mcore_rl.parallel import free_port
     from mcore_rl.sync import transports
 
-    if kind == "ipc":
+    if kind in ("ipc", "direct"):
         return transports.CudaIpcTransport(engine, plan.engine_rank_of, serializer=_cpu_serialize,
-                                           meta_cls=FlattenedTensorMetadata)
+                                           meta_cls=FlattenedTensorMetadata,
+                                           direct=(plan.engine, plan.hf) if kind == "direct" else None)
     if kind == "disk":
         return transports.DiskTransport(engine, os.path.join(root, "disk_sync"), hf_dir=hf_dir)
     group = None
@@ -245,7 +259,8 @@ def _case(rank, root, name, fam, trainer, tp, ep, kind):
 
     sglang_reference.init_sglang_parallel(rank, 2, tp, ep, hf_dir)
     synced = _sglang_model(hf_dir)
-    feed = {0: 0, 1: 1} if kind == "ipc" else single_source(0)
+    colocated = kind in ("ipc", "direct")
+    feed = {0: 0, 1: 1} if colocated else single_source(0)
     plan = SyncPlan.build(hf, trainer, 2, EngineLayout(tp, ep, 1, tp), feed, BUCKET, torch.float32)
     plan.check_complete()
     engine = ThreadedEngine(synced, rank, dist.new_group(backend="gloo"), hf_dir)
@@ -259,7 +274,7 @@ def _case(rank, root, name, fam, trainer, tp, ep, kind):
         engine.loaded_names.clear()
         # colocated, each rank also accumulates the digests its engine rank must hold, as a verified
         # sync does: the read-back table (engine_layout) must place every piece where SGLang has it
-        expected = ExpectedDigests(plan.engine, hf, [rank]) if kind == "ipc" else None
+        expected = ExpectedDigests(plan.engine, hf, [rank]) if colocated else None
         stats = sync_weights(plan, shards, transport, observe=expected.add if expected else None)
         dist.barrier()  # single source: other ranks return at once, while their engine thread still loads
         ref, got = _tensors(_sglang_model(hf_dir, scale=2.0 if rounds else 1.0)), _tensors(synced)

@@ -68,6 +68,11 @@ class EngineTarget:
         self._all("update_weights_from_tensor", lambda k: (payloads[k * tp:(k + 1) * tp],),
                   load_format=load_format, flush_cache=flush_cache)
 
+    def load_weights_direct(self, payloads, layout, hf, flush_cache=True):
+        tp = self.tp_size
+        self._all("load_weights_direct", lambda k: (payloads[k * tp:(k + 1) * tp],), layout=layout, hf=hf,
+                  flush_cache=flush_cache)
+
     def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
                                   group_name="weight_update_group", backend="nccl"):
         self._all("init_weights_update_group",

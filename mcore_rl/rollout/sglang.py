@@ -278,6 +278,17 @@ class SGLangServer:
         _ok(self.engine.update_weights_from_tensor(payloads, load_format=load_format, flush_cache=flush_cache),
             "update_weights_from_tensor")
 
+    def load_weights_direct(self, payloads: list, layout, hf, flush_cache: bool = True):
+        """As update_weights_from_tensor, each rank's bucket copied straight into its parameters by
+        the read-back's placement table (`rollout.sync_load: direct`, mcore_rl.rollout.sglang_plugin)."""
+        payloads = [self._serialize(p, by_name=self.nnodes > 1) if isinstance(p, dict) else p for p in payloads]
+        try:
+            self.engine.collective_rpc("mcore_rl_load_bucket", payloads=payloads, layout=layout, hf=hf)
+        except AssertionError as e:  # how collective_rpc reports a failed call
+            raise EngineError(f"SGLang direct weight load failed: {e}") from None
+        if flush_cache:  # what update_weights_from_tensor(flush_cache=True) does after its load
+            _ok(self.engine.flush_cache(), "flush_cache")
+
     @staticmethod
     def _serialize(bucket: dict, by_name: bool) -> bytes:
         """CPU tensors for SGLang's schedulers. A scheduler on another "node" of this host is no child

@@ -15,6 +15,10 @@ model is built.
     forward (`_weight_fp32`, "must be invalidated" if the weight changes, says its FIXME): a sync
     left the router on the first weights. The copy is rewritten in place (CUDA graphs hold its
     address).
+- `Scheduler.mcore_rl_load_bucket(payloads, layout, hf)`: `rollout.sync_load: direct`, a flattened
+  bucket copied straight into this rank's parameters by the read-back's own placement table
+  (mcore_rl.sync.engine_layout.load_direct) instead of SGLang's `load_weights`, whose name matching
+  costs tens of microseconds a tensor (384 tensors a layer of Qwen3-30B-A3B's experts).
 - `Scheduler.mcore_rl_check_idle()`: fails unless every TP rank of the engine is fully idle.
   SGLang asserts idleness inside the scheduler when asked to release memory, and a failed assert
   there kills the scheduler and then the engine's process (seen right after `generate` returned);
@@ -45,8 +49,7 @@ def weight_digests(model) -> dict:
 
 def _scheduler_weight_digests(self, path: str) -> None:
     model = self.tp_worker.model_runner.model
-    tp_rank = self.ps.tp_rank if hasattr(self, "ps") else self.tp_rank  # 0.5.17+: a parallel-state view
-    out = f"{path}.tp{tp_rank}.json"
+    out = f"{path}.tp{_tp_rank(self)}.json"
     os.makedirs(os.path.dirname(out), exist_ok=True)  # on this rank's machine (nodes of one engine differ)
     with open(out + ".tmp", "w") as f:
         json.dump(weight_digests(model), f)
@@ -82,6 +85,44 @@ def refresh_fp32_copies(model) -> int:
                 copy.copy_(module.weight)
                 written += 1
     return written
+
+
+def load_bucket_direct(model, payload: bytes, layout, hf, tp_rank: int) -> None:
+    """One rank's flattened bucket (SGLang's wire format: CUDA IPC handles, or shared CPU memory)
+    straight into the model's parameters (mcore_rl.sync.engine_layout.load_direct)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    from mcore_rl.sync.bucket import unflatten
+    from mcore_rl.sync.engine_layout import load_direct
+
+    monkey_patch_torch_reductions()  # CUDA handles carry GPU UUIDs, as SGLang's own weight updates read them
+    bucket = MultiprocessingSerializer.deserialize(payload)
+    load_direct(dict(model.named_parameters()), unflatten(bucket["flattened_tensor"], bucket["metadata"]),
+                layout, tp_rank, hf)
+
+
+def _scheduler_load_bucket(self, payloads: list, layout, hf) -> None:
+    import torch
+    import torch.distributed as dist
+
+    error = None
+    try:
+        load_bucket_direct(self.tp_worker.model_runner.model, payloads[_tp_rank(self)], layout, hf, _tp_rank(self))
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it: the RPC reports rank 0's outcome only
+        error = e
+    ok = torch.tensor([int(error is None)])
+    group = self.tp_group.cpu_group
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if error is not None:
+        raise error
+    if not ok.item():
+        raise RuntimeError("the direct weight load failed on another tp rank of this engine")
+
+
+def _tp_rank(scheduler) -> int:
+    return scheduler.ps.tp_rank if hasattr(scheduler, "ps") else scheduler.tp_rank  # 0.5.17+: a parallel-state view
 
 
 def _scheduler_refresh_derived(self) -> None:
@@ -127,6 +168,7 @@ def register() -> None:
     Scheduler.mcore_rl_weight_digests = _scheduler_weight_digests
     Scheduler.mcore_rl_check_idle = _scheduler_check_idle
     Scheduler.mcore_rl_refresh_derived = _scheduler_refresh_derived
+    Scheduler.mcore_rl_load_bucket = _scheduler_load_bucket
     if os.environ.get("MCORE_RL_SEEDED_SAMPLING") == "1":
         _seeded_sampling()
     if os.environ.get("MCORE_RL_SGLANG_CPU") == "1":

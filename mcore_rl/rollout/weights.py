@@ -51,7 +51,7 @@ class WeightSync:
         spec = SyncSpec(plan, engines.weight_target(), kind, engines.engines,
                         slot_of={t: k * layout.tp_size + r for t, (k, r) in (feed or {}).items()},
                         master=master, disk_dir=os.path.join(run_dir, "sync_disk"), hf_dir=hf_dir,
-                        timeout_s=cfg.rollout.timeout_s)
+                        timeout_s=cfg.rollout.timeout_s, direct_load=cfg.rollout.sync_load == "direct")
         actors.call("setup_sync", spec)
         self.kind, self.syncs = kind, 0
         self.probe = probe_sequences(hf, rows=2 * (len(where) // (p.tp * p.pp)))

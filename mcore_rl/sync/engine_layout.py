@@ -49,8 +49,8 @@ class Place:
     when: str | None = None  # "mla", "gqa" or "q_lora": only for such models
     fp8: bool = False  # held as e4m3 + weight_scale_inv by an FP8 engine
 
-    def applies(self, name: str, hf) -> bool:
-        ok = {None: True, "mla": hf.is_mla, "gqa": not hf.is_mla, "q_lora": hf.is_mla and hf.q_lora}[self.when]
+    def applies(self, name: str, mla: bool, q_lora: bool) -> bool:
+        ok = {None: True, "mla": mla, "gqa": not mla, "q_lora": mla and q_lora}[self.when]
         return ok and name.endswith(self.suffix)
 
 
@@ -116,7 +116,12 @@ def _rule(name: str, hf) -> Place:
     if ".mlp.experts." in name:  # experts.{i}. -> experts.{E}.
         head, _, rest = name.partition(".mlp.experts.")
         generic = head + ".mlp.experts.{E}." + rest.partition(".")[2]
-    return next(r for r in SGLANG_RULES if r.applies(generic, hf))
+    return _rule_of(generic, hf.is_mla, hf.is_mla and hf.q_lora)
+
+
+@functools.cache  # a sync asks once per tensor: hundreds of expert tensors a layer
+def _rule_of(generic: str, mla: bool, q_lora: bool) -> Place:
+    return next(r for r in SGLANG_RULES if r.applies(generic, mla, q_lora))
 
 
 def runs_in_fp8(name: str, hf) -> bool:
@@ -159,9 +164,9 @@ def place(name: str, t: torch.Tensor, layout: EngineLayout, tp_rank: int, hf) ->
             return []
         moe_tp, moe_rank = layout.moe_tp, tp_rank % layout.moe_tp  # SGLang: moe_tp_rank = tp_rank % moe_tp
         if rule.split == "moe_col":
-            src = t.chunk(moe_tp, dim=1)[moe_rank].contiguous()
+            src = t.chunk(moe_tp, dim=1)[moe_rank].contiguous() if moe_tp > 1 else t.contiguous()
             return [Piece(target, (e - experts.start) * src.numel(), src)]
-        src = t.chunk(moe_tp, dim=0)[moe_rank].contiguous()  # w13[e] = [gate_r; up_r]
+        src = t.chunk(moe_tp, dim=0)[moe_rank].contiguous() if moe_tp > 1 else t.contiguous()  # w13[e] = [gate_r; up_r]
         return [Piece(target, ((e - experts.start) * len(rule.parts) + rule.part) * src.numel(), src)]
     if rule.split == "vocab":
         per = padded_vocab(t.shape[0], tp) // tp
@@ -200,6 +205,20 @@ def _qkv_piece(name, target, t, rule, tp, tp_rank, hf) -> Piece:
         start = q_rows + (rule.part - 1) * kv_per * d
     width = t[0].numel() if t.dim() > 1 else 1
     return Piece(target, start * width, src.contiguous())
+
+
+def load_direct(params: dict[str, torch.Tensor], named, layout: EngineLayout, tp_rank: int, hf) -> None:
+    """HF tensors copied straight into SGLang engine rank `tp_rank`'s parameters where `place` puts
+    them: what SGLang's `load_weights` does, without its per-tensor name matching (a layer of 128
+    experts is 384 tensors, each matched against a list of 384 expert names; `rollout.sync_load:
+    direct`). Only for models SGLang derives nothing from after loading (not MLA, not FP8)."""
+    with torch.no_grad():
+        for name, t in named:
+            for piece in place(name, t, layout, tp_rank, hf):
+                flat = params[piece.param].data.view(-1)
+                flat[piece.offset:piece.offset + piece.src.numel()].copy_(piece.src.view(-1))
+                if _rule(name, hf).split == "vocab":  # past the vocab: zero, as SGLang's loader leaves it
+                    flat[piece.src.numel():].zero_()
 
 
 class ExpectedDigests:

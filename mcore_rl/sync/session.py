@@ -39,6 +39,7 @@ class SyncSpec:
     disk_dir: str | None = None  # disk: where versions are written
     hf_dir: str | None = None  # disk: side files (config, tokenizer) copied beside the weights
     timeout_s: float = 600.0  # broadcast: an engine that never receives is an error after this long
+    direct_load: bool = False  # ipc: the engine copies buckets straight into its parameters (rollout.sync_load)
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -55,7 +56,8 @@ class SyncSession:
         cuda = torch.cuda.is_available()
         if spec.transport == "ipc":
             serializer, meta_cls = T.sglang_wire() if cuda else T.by_value()
-            self.transport = T.CudaIpcTransport(spec.target, spec.slot_of, serializer=serializer, meta_cls=meta_cls)
+            self.transport = T.CudaIpcTransport(spec.target, spec.slot_of, serializer=serializer, meta_cls=meta_cls,
+                                                direct=(spec.plan.engine, spec.plan.hf) if spec.direct_load else None)
         elif spec.transport == "broadcast":
             group = None
             if self.rank == 0:

@@ -86,8 +86,12 @@ class CudaIpcTransport(Transport):
     only once the engine call that read it has returned and every rank has heard so (a barrier)."""
 
     def __init__(self, engine, engine_rank_of: dict[int, int], driver: int = 0, serializer=None,
-                 meta_cls=None, group=None):
+                 meta_cls=None, group=None, direct: tuple | None = None):
+        """direct: (engine layout, HF model) to have the engine copy each bucket straight into its
+        parameters (`engine.load_weights_direct`, rollout.sync_load: direct) instead of loading it
+        through SGLang's load_weights."""
         super().__init__(engine, driver)
+        self.direct = direct
         if serializer is None or meta_cls is None:
             serializer, meta_cls = sglang_wire()
         self.engine_rank_of, self.serialize, self.meta_cls, self.group = engine_rank_of, serializer, meta_cls, group
@@ -113,8 +117,13 @@ class CudaIpcTransport(Transport):
             per_rank = [None] * len(self.engine_rank_of)
             for t, r in self.engine_rank_of.items():
                 per_rank[r] = gathered[t]
-            self._pending = _Concurrently(self.engine.update_weights_from_tensor, payloads=per_rank,
-                                          load_format="flattened_bucket", flush_cache=last)
+            if self.direct:
+                layout, hf = self.direct
+                self._pending = _Concurrently(self.engine.load_weights_direct, payloads=per_rank, layout=layout,
+                                              hf=hf, flush_cache=last)
+            else:
+                self._pending = _Concurrently(self.engine.update_weights_from_tensor, payloads=per_rank,
+                                              load_format="flattened_bucket", flush_cache=last)
         dist.barrier(group=self.group)  # the previous bucket's buffer is free on every rank
 
     def _wait(self) -> None:
