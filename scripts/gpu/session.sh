@@ -76,6 +76,8 @@ for name, x in (("PinnedBuffer", b.tensor), ("pin_memory", t)):
     print(name, "read in a forked child: exit status", os.waitpid(pid, 0)[1], flush=True)
 PY
       ;;
+    # loop1gpu: CONFIG=configs/qwen3_30b_a3b_1gpu.yaml needs LIMIT of 250 s at 2 layers and more than 300 at 4
+    # beside another session (ninth pass); EXTRA_OVERRIDES=rollout.sync_load=direct for the direct engine load
     loop1gpu) timeout "${LIMIT:-590}" "${PY[@]}" benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
                 --out "$OUT/loop_${LAYERS:-4}L${TAG:-}.json" ${NO_ALONE:+--no-engine-alone} \
                 cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers="${LAYERS:-4}" \
