@@ -365,6 +365,9 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     if before:
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
+    # the driver's tensors are one batch's, small: an OpenMP team over every core would spin on cores
+    # the engines and the trainer hold (suspected of 0.2-0.6 s a step on GPU hosts, RESULTS ninth pass)
+    torch.set_num_threads(1)
     for step in range(start + 1, total + 1):
         prompts = step_prompts(cfg, train_task, step) if train_task else []  # a replay trains on dumped batches
         metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
