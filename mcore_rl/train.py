@@ -11,6 +11,7 @@ KV cache, the trainer onloads and trains, offloads, and the engine resumes and i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -322,7 +323,8 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
                                       total_steps(cfg, train_task, engine), start)
             sync = rollout.sync
         phases = Phases(cfg, group, engine, sync, plan)
-        return _loop(cfg, group, rollout, phases, train_task, val_task, run_dir, ckpt, start, state, first)
+        with _torch_threads(1):
+            return _loop(cfg, group, rollout, phases, train_task, val_task, run_dir, ckpt, start, state, first)
     finally:
         if rollout is not None and rollout is not engine:
             rollout.shutdown()
@@ -341,6 +343,19 @@ def _load(group: ActorGroup, step_dir: str) -> None:
         first = str(cause).splitlines()[0] if str(cause) else ""
         raise run_ckpt.CheckpointError(f"{step_dir}: cannot resume from this checkpoint: "
                                        f"{type(cause).__name__}: {first}") from None
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """The loop's own tensors are one batch's, small: an OpenMP team over every core of a GPU host
+    would spin on cores the engines and the trainer hold (suspected of 0.2-0.6 s a step, RESULTS.md
+    ninth pass). The caller's setting comes back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start, state,
@@ -365,9 +380,6 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     if before:
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
-    # the driver's tensors are one batch's, small: an OpenMP team over every core would spin on cores
-    # the engines and the trainer hold (suspected of 0.2-0.6 s a step on GPU hosts, RESULTS ninth pass)
-    torch.set_num_threads(1)
     for step in range(start + 1, total + 1):
         prompts = step_prompts(cfg, train_task, step) if train_task else []  # a replay trains on dumped batches
         metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
