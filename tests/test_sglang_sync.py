@@ -490,3 +490,10 @@ def test_single_source_plan_sends_everything_from_rank_zero():
     names = plan.payload_names(0)
     assert len(names) == len(plan.tensors) and plan.payload_names(1) == []
     assert any(dst == 0 for r in (1, 2, 3) for b in plan.for_rank(r) for _, dst in b.sends)
+
+
+def test_every_family_the_direct_load_accepts_is_checked_here():
+    from mcore_rl.config_checks import DIRECT_LOAD_FAMILIES
+
+    direct = [fam for fam, *_, kind in CASES.values() if kind == "direct"]
+    assert all(any(fam.startswith(f) for fam in direct) for f in DIRECT_LOAD_FAMILIES), (direct, DIRECT_LOAD_FAMILIES)
