@@ -125,8 +125,9 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
     """Environment of the engine's processes."""
     env = {"MCORE_RL_SEEDED_SAMPLING": "1"} if cfg.rollout.seeded else {}
     if cfg.rollout.weight_dtype == "fp8":
-        # with DeepGEMM SGLang rewrites block scales to powers of two after loading (UE8M0): the engine
-        # would no longer hold the scales the sync sent (and the read-back compares); triton's FP8 GEMM reads them as sent
+        # triton's FP8 GEMMs read the block scales as the sync sent them (the read-back compares them).
+        # With DeepGEMM, SGLang requantizes them to UE8M0 after loading on Blackwell (0.5.17-0.5.20);
+        # on Hopper it reads them as sent, but a synced engine on DeepGEMM is not checked yet (issue 28)
         env["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"
     if cfg.rollout.moe_config_dir:  # read by SGLang's schedulers as they pick each fused-MoE call's tile
         env["SGLANG_MOE_CONFIG_DIR"] = os.path.abspath(cfg.rollout.moe_config_dir)
