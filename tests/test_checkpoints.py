@@ -264,10 +264,25 @@ def base(tmp_path_factory):
     return out
 
 
-def test_resume_is_bit_exact(base, tmp_path):
-    out = _restart_from_step_2(base, str(tmp_path / "again"))
+def test_a_resume_past_an_incomplete_checkpoint_and_leftovers_is_bit_exact(base, tmp_path):
+    """The finished run as if killed while writing step 4's checkpoint: a truncated shard in it and
+    a leftover .tmp. The run warns, resumes from step 2, saves step 4 again over the incomplete one,
+    and ends with both complete; its steps 3 and 4, and the weights and optimizer states after step
+    4 byte for byte, are those of the run that was never stopped. (One run for what were two, each
+    resumed from step 2: this and a clean stop after step 2's checkpoint.)"""
+    from mcore_rl import run_checkpoints as rc
+
+    out = str(tmp_path / "faulty")
+    shutil.copytree(base, out)
+    ckpts = os.path.join(out, "checkpoints")
+    shard = os.path.join(ckpts, "step_4", "model", "__0_0.distcp")
+    os.truncate(shard, os.path.getsize(shard) - 1)
+    os.makedirs(os.path.join(ckpts, "step_6.tmp", "model"))
     log = _ran(out)
+    assert f"skipping incomplete checkpoint {os.path.join(ckpts, 'step_4')}" in log
     assert "resumed from" in log and log.split("resumed from")[1].split()[0].endswith("step_2")
+    assert sorted(os.listdir(ckpts)) == ["step_2", "step_4"]
+    assert rc.incomplete(os.path.join(ckpts, "step_4")) is None
     a, b = _steps(base), _steps(out)
     assert sorted(b) == [0, 1, 2, 3, 4]
     for s in (3, 4):
@@ -310,25 +325,6 @@ def test_each_fault_makes_a_checkpoint_incomplete(base, tmp_path, fault):
     warnings = []
     assert rc.latest(root, warn=warnings.append) == (2, os.path.join(root, "step_2"))
     assert len(warnings) == 1 and "step_4" in warnings[0] and why in warnings[0]
-
-
-def test_a_run_resumes_past_an_incomplete_checkpoint_and_leftovers(base, tmp_path):
-    """A truncated shard in the newest checkpoint and a leftover .tmp: the run warns, resumes from
-    step 2, saves step 4 again over the incomplete one, and ends with both complete."""
-    from mcore_rl import run_checkpoints as rc
-
-    out = str(tmp_path / "faulty")
-    shutil.copytree(base, out)
-    ckpts = os.path.join(out, "checkpoints")
-    shard = os.path.join(ckpts, "step_4", "model", "__0_0.distcp")
-    os.truncate(shard, os.path.getsize(shard) - 1)
-    os.makedirs(os.path.join(ckpts, "step_6.tmp", "model"))
-    log = _ran(out)
-    assert f"skipping incomplete checkpoint {os.path.join(ckpts, 'step_4')}" in log
-    assert log.split("resumed from")[1].split()[0].endswith("step_2")
-    assert sorted(os.listdir(ckpts)) == ["step_2", "step_4"]
-    assert rc.incomplete(os.path.join(ckpts, "step_4")) is None
-    assert _learning(_steps(out)[4]) == _learning(_steps(base)[4])
 
 
 def test_a_fresh_run_in_a_used_output_dir_is_refused(base):
