@@ -19,6 +19,10 @@ but a few things it imports or dispatches to exist only in GPU builds:
 - Routed-experts capture (`enable_return_routed_experts`) keeps its host buffer through
   `ALLOC_MEMORY_FUNCS`, whose default pins it with cudaHostRegister ("Torch not compiled with CUDA
   enabled"). On CPU the host buffer is plain memory (`register_host_buffers`, run by the plugin).
+- `vllm`, where it is installed beside SGLang (rollout.engine=vllm's venv), is hidden: SGLang
+  probes it as it imports (its triton fused-MoE module takes `vllm._custom_ops` off CUDA), which
+  costs seconds of CPU in the engine's process and again in each scheduler, and its CPU engine
+  uses none of it (native torch paths): SGLang then runs as it does where vLLM is not installed.
 
 The stand-ins must exist in every SGLang process, including the schedulers it spawns, before
 any SGLang module is imported: `sglang_site/sitecustomize.py` calls `install()` at interpreter
@@ -133,6 +137,18 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+class _HiddenFinder(importlib.abc.MetaPathFinder):
+    """`import vllm` fails as if it were not installed (see the module docstring)."""
+
+    HIDDEN = ("vllm",)
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden from SGLang's CPU engine by "
+                                      "mcore_rl.rollout.sglang_cpu)", name=name)
+        return None
+
+
 def _check_version() -> None:
     from importlib.metadata import version
 
@@ -152,6 +168,8 @@ def install() -> None:
         if name in sys.modules and not isinstance(sys.modules[name], _StandIn):
             raise RuntimeError(f"{name} is already imported in this process; the CPU stand-in cannot replace it")
     sys.meta_path.insert(0, _StandInFinder())
+    if not any(name in sys.modules for name in _HiddenFinder.HIDDEN):  # too late to hide once imported
+        sys.meta_path.insert(0, _HiddenFinder())
     _register_ops()
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
