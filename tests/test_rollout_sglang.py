@@ -9,8 +9,6 @@ within the deadline, and no engine process outlives shutdown).
 
 from __future__ import annotations
 
-import pytest
-
 from mcore_rl.parallel import LISTEN_PORTS
 from mcore_rl.rollout.launch import start_sglang
 from mcore_rl.rollout.sglang import engine_model_dir
