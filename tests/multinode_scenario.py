@@ -67,12 +67,10 @@ def _cfg(device: str):
 
 
 def engine_args(model_dir: str, device: str, nnodes: int, node_rank: int, addr: str | None) -> dict:
-    from mcore_rl.rollout.launch import CPU_IDLE_ARGS
     from mcore_rl.rollout.sglang import engine_args as build
     from mcore_rl.sync.plan import EngineLayout
 
-    args = build(_cfg(device), model_dir, EngineLayout(2, 1, nnodes, 2 // nnodes), node_rank, addr, 0.3)
-    return {**args, **CPU_IDLE_ARGS} if device == "cpu" else args  # as launch.start_sglang's
+    return build(_cfg(device), model_dir, EngineLayout(2, 1, nnodes, 2 // nnodes), node_rank, addr, 0.3)
 
 
 def engine_env(device: str) -> dict:

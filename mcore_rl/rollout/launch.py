@@ -89,17 +89,10 @@ def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout:
     mem_fraction, kv_tokens = _engine_memory(cfg, plan)
     addrs = {s.engine: "%s:%d" % rendezvous_on(s.pg, s.bundle) for s in slots
              if s.node_rank == 0 and layout.nnodes > 1}
-    idle = CPU_IDLE_ARGS if cfg.cluster.device == "cpu" else {}
     return _group(cfg, S.SGLangServer, slots, layout, gpu_share,
-                  lambda s: {**S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction,
-                                             kv_tokens), **idle},
+                  lambda s: S.engine_args(cfg, model_dir, layout, s.node_rank, addrs.get(s.engine), mem_fraction,
+                                              kv_tokens),
                   "SGLang", S.engine_env(cfg, layout), log_dir)
-
-
-# An idle SGLang scheduler polls for requests in a busy loop: on CPU that is a core per engine taken
-# from the trainer's ranks (colocated, they update while the engines wait) and from other engines.
-# sleep_on_idle waits on the scheduler's request sockets instead, waking as a request comes.
-CPU_IDLE_ARGS = {"sleep_on_idle": True}
 
 
 def start_vllm(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: EngineLayout,

@@ -103,8 +103,10 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
     if C.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
+        # sleep_on_idle: an idle scheduler otherwise polls for requests in a busy loop, a core per engine
+        # taken from the trainer's ranks (colocated, they update while the engines wait) and other engines
         args.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
-                    disable_cuda_graph=True, max_total_tokens=r.cpu_kv_tokens)
+                    disable_cuda_graph=True, max_total_tokens=r.cpu_kv_tokens, sleep_on_idle=True)
     else:
         # disable_shared_experts_fusion: on GPUs SGLang may fold a shared expert into the routed ones
         # (GLM-4.5, DeepSeek-V3 at EP 1); the sync's read-back table (sync/engine_layout.py) knows
