@@ -486,8 +486,9 @@ if __name__ == "__main__":  # as a script: the package's module, whose sections 
 
 # the checks against the cluster and the model, imported last: they take the sections above
 from mcore_rl.config_checks import (actor_gpus, hf_model_dims, max_running_requests, recompute_choice,  # noqa: E402
-                                    require_model_dirs, returns_routes, rollout_gpus, validate_config)
+                                    require_model_dirs, returns_routes, rollout_gpus, transport_for,
+                                    validate_config)
 
 __all__ = ["Config", "ConfigError", "apply_overrides", "config_from_dict", "load_config", "schema", "to_dict",
            "to_yaml", "actor_gpus", "hf_model_dims", "max_running_requests", "recompute_choice", "require_model_dirs",
-           "returns_routes", "rollout_gpus", "validate_config"]
+           "returns_routes", "rollout_gpus", "transport_for", "validate_config"]

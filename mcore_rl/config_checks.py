@@ -61,6 +61,14 @@ def max_running_requests(cfg: Config) -> int:
     return r.max_running_requests or r.cuda_graph_max_bs
 
 
+def transport_for(cfg: Config) -> str:
+    """The weight sync's transport: rollout.sync_transport, with auto resolved (ipc colocated, else broadcast)."""
+    t = cfg.rollout.sync_transport
+    if t == "auto":
+        return "ipc" if cfg.cluster.colocate else "broadcast"
+    return t
+
+
 def rollout_gpus(cfg: Config) -> int:
     c = cfg.cluster
     return c.nnodes * c.n_gpus_per_node if c.colocate else c.rollout_gpus
@@ -337,7 +345,7 @@ def _check_direct_load(cfg: Config, errors: list[str], hf: dict | None) -> None:
     r = cfg.rollout
     if r.sync_load != "direct":
         return
-    transport = r.sync_transport if r.sync_transport != "auto" else "ipc" if cfg.cluster.colocate else "broadcast"
+    transport = transport_for(cfg)
     if r.engine != "sglang" or transport != "ipc":
         errors.append(f"rollout.sync_load=direct needs SGLang over the ipc transport (colocated), not "
                       f"{r.engine} over {transport}")

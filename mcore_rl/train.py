@@ -461,7 +461,6 @@ def _truncate_metrics(path: str, step: int) -> None:
 def dry_run(cfg: C.Config) -> list[str]:
     """What a run of `cfg` would start, as lines: trainer ranks, engines, sync, memory plan."""
     from mcore_rl.rollout.placement import plan_placement
-    from mcore_rl.rollout.weights import transport_for
 
     c, p = cfg.cluster, cfg.parallel
     world = C.actor_gpus(cfg)
@@ -477,7 +476,7 @@ def dry_run(cfg: C.Config) -> list[str]:
     else:
         lines += plan_placement(cfg).describe(units)
         check = "a log-prob check" if cfg.rollout.engine == "vllm" else "read-back"
-        lines.append(f"weight sync: {transport_for(cfg)}, verified by {check} after the first sync"
+        lines.append(f"weight sync: {C.transport_for(cfg)}, verified by {check} after the first sync"
                      + (f" and every {cfg.rollout.verify_sync_every} steps" if cfg.rollout.verify_sync_every else ""))
     if c.device == "gpu":
         from mcore_rl.memory.gpus import GpuSelectionError

@@ -26,19 +26,12 @@ from mcore_rl.sync.session import SyncSpec, merge_expected
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def transport_for(cfg: C.Config) -> str:
-    t = cfg.rollout.sync_transport
-    if t == "auto":
-        return "ipc" if cfg.cluster.colocate else "broadcast"
-    return t
-
-
 class WeightSync:
     def __init__(self, cfg: C.Config, actors, engines, layout: EngineLayout,
                  feed: dict[int, tuple[int, int]] | None, where: list[dict], run_dir: str, hf_dir: str):
         """`feed`: colocated trainer rank -> (engine, tp rank) on its GPU; None for a single source."""
         self.actors, self.engines, self.verify_every = actors, engines, cfg.rollout.verify_sync_every
-        kind = transport_for(cfg)
+        kind = C.transport_for(cfg)
         if kind == "ipc" and feed is None:
             raise C.ConfigError("rollout.sync_transport = 'ipc' needs colocated engines (cluster.colocate: true)")
         p = cfg.parallel
