@@ -103,22 +103,28 @@ def load_bucket_direct(model, payload: bytes, layout, hf, tp_rank: int) -> None:
 
 
 def _scheduler_load_bucket(self, payloads: list, layout, hf) -> None:
-    import torch
-    import torch.distributed as dist
-
     error = None
     try:
         load_bucket_direct(self.tp_worker.model_runner.model, payloads[_tp_rank(self)], layout, hf, _tp_rank(self))
     except Exception as e:  # noqa: BLE001 - every rank must hear of it: the RPC reports rank 0's outcome only
         error = e
-    ok = torch.tensor([int(error is None)])
-    group = self.tp_group.cpu_group
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    every_rank_ok = _on_every_rank(self, error is None)
     if error is not None:
         raise error
-    if not ok.item():
+    if not every_rank_ok:
         raise RuntimeError("the direct weight load failed on another tp rank of this engine")
+
+
+def _on_every_rank(scheduler, ok: bool) -> bool:
+    """Whether `ok` holds on every TP rank of the engine (each rank runs an RPC; all must agree)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)])
+    group = scheduler.tp_group.cpu_group
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _tp_rank(scheduler) -> int:
@@ -132,14 +138,7 @@ def _scheduler_refresh_derived(self) -> None:
 
 
 def _scheduler_check_idle(self) -> None:
-    import torch
-    import torch.distributed as dist
-
-    idle = torch.tensor([int(self.is_fully_idle())])
-    group = self.tp_group.cpu_group  # every rank runs the RPC; all must be idle for the release
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(idle, op=dist.ReduceOp.MIN, group=group)
-    if not idle.item():
+    if not _on_every_rank(self, self.is_fully_idle()):  # all must be idle for the release
         raise RuntimeError("not idle")
 
 
