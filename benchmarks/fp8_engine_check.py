@@ -121,12 +121,15 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
         model_dir = engine_model_dir(raw, os.path.join(work, kind), eos,
                                      quantization_config=fp8.QUANTIZATION_CONFIG if kind == "fp8" else None)
         extra = (fp8_args or {}) if kind == "fp8" else {}
+        t0 = time.perf_counter()
         eng = engine(model_dir, backend, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
                      cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
+        start_s = time.perf_counter() - t0
         try:  # ignore_eos: every request decodes new_tokens
             seconds = timed_calls(lambda: eng.generate(input_ids=prompts, sampling_params=params), iters=3)
             rates = [batch * new_tokens / s for s in seconds]
-            out[kind] = {"tokens_per_s": statistics.median(rates), "runs": rates}
+            out[kind] = {"tokens_per_s": statistics.median(rates), "runs": rates, "start_s": round(start_s, 1)}
+            print(f"{kind}: started in {start_s:.0f} s, {out[kind]['tokens_per_s']:.0f} tokens/s", flush=True)
         finally:
             eng.shutdown()
     return out
@@ -191,6 +194,9 @@ def main() -> int:
         fp8_args[key] = yaml.safe_load(value)
     # as the loop's FP8 engines (mcore_rl.rollout.sglang), unless measuring DeepGEMM
     os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "1" if a.deep_gemm else "0"
+    # SGLang's pre-compile covers every batch size up to 16k tokens ("10-20 mins", its own log);
+    # compiled on first use instead, within the engine's start (start_s) and the warm-up call
+    os.environ["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] = "0"
     import random
 
     from mcore_rl import config as C

@@ -33,7 +33,11 @@ PY
 read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
 read -r -a FP8 <<< "${FP8_ARGS:-}"
 PY=(python3)  # PYSPY=1: the benchmark's driver under py-spy (staged by scripts/gpu/stage_extra.sh), raw stacks to $OUT
-[ -n "${PYSPY:-}" ] && PY=(/tmp/gpu-extra/py-spy record -o "$OUT/driver_pyspy${TAG:-}.txt" --format raw -r 25 --threads --nonblocking -- python3)
+if [ -n "${PYSPY:-}" ]; then  # a container without ptrace rights would lose the run: probe first
+  if /tmp/gpu-extra/py-spy record -o /dev/null -d 1 -- sleep 2 >/dev/null 2>&1; then
+    PY=(/tmp/gpu-extra/py-spy record -o "$OUT/driver_pyspy${TAG:-}.txt" --format raw -r 25 --threads --nonblocking -- python3)
+  else echo "PYSPY: py-spy cannot sample here; running without it"; fi
+fi
 # per-process memory while the parts run: host RSS (top 12) and each process's GPU memory
 (while sleep 1; do date +%T; ps -eo pid,rss,comm --sort=-rss | head -12
    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader; done > "$OUT/proc_mem.log" 2>&1) &
