@@ -438,6 +438,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
         raise ConfigError(str(e)) from None
     cfg = config_from_dict(apply_overrides(data, overrides or []))
     if validate:
+        from mcore_rl.config_checks import validate_config
+
         validate_config(cfg, model_info=model_info, available_gpus=available_gpus)
     return cfg
 
@@ -484,11 +486,19 @@ if __name__ == "__main__":  # as a script: the package's module, whose sections 
     import mcore_rl.config
     sys.exit(mcore_rl.config.main())
 
-# the checks against the cluster and the model, imported last: they take the sections above
-from mcore_rl.config_checks import (actor_gpus, hf_model_dims, max_running_requests, recompute_choice,  # noqa: E402
-                                    require_model_dirs, returns_routes, rollout_gpus, transport_for,
-                                    validate_config)
+# the checks against the cluster and the model (mcore_rl.config_checks), which take the sections above:
+# looked up there on first use, so either module may be imported first
+CHECKS = ("actor_gpus", "hf_model_dims", "max_running_requests", "recompute_choice", "require_model_dirs",
+          "returns_routes", "rollout_gpus", "transport_for", "validate_config")
+
+
+def __getattr__(name: str):
+    if name in CHECKS:
+        from mcore_rl import config_checks
+
+        return getattr(config_checks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["Config", "ConfigError", "apply_overrides", "config_from_dict", "load_config", "schema", "to_dict",
-           "to_yaml", "actor_gpus", "hf_model_dims", "max_running_requests", "recompute_choice", "require_model_dirs",
-           "returns_routes", "rollout_gpus", "transport_for", "validate_config"]
+           "to_yaml", *CHECKS]
