@@ -3,7 +3,7 @@
 `OneStepOff` (trainer.mode=one_step_off), below; `FullyAsync` (fully_async): a rollout worker
 (mcore_rl.rollout.buffer) keeps the engines busy, the trainer takes each step's finished groups, weights
 are synced every trainer.sync_every updates between two pieces of a partial rollout, and groups
-past trainer.max_staleness are regenerated.
+past trainer.max_staleness are regenerated (or left out: trainer.stale_groups).
 
 one_step_off, generation one policy version behind:
 
@@ -187,7 +187,8 @@ def samples_batch(source, samples: list, experts=None, engine_label: str = "the 
 class FullyAsync:
     """trainer.mode=fully_async: a rollout worker (mcore_rl.rollout.buffer) keeps the engines
     generating the groups of the steps ahead; each step takes its own prompts' groups, regenerating
-    any with a token more than trainer.max_staleness versions older than the trainer's weights. The
+    (or, trainer.stale_groups=drop, leaving out) any with a token more than trainer.max_staleness
+    versions older than the trainer's weights. The
     weights go to the engines every trainer.sync_every updates, between two pieces of the responses
     in flight (partial rollout: trainer.partial_rollout_tokens).
 
@@ -208,6 +209,7 @@ class FullyAsync:
         t = cfg.trainer
         self.cfg, self.engine, self._sync, self.source = cfg, engine, sync, source
         self.sync_every, self.max_staleness = t.sync_every, t.max_staleness
+        self.drop_stale = t.stale_groups == "drop"
         self.experts = expert_layout(cfg)
         self.clocks = StepClocks()
         self.next_step = start + 1  # the step whose groups the next step_batch takes
@@ -234,8 +236,9 @@ class FullyAsync:
             # at once (the next step's groups fill the engines while this one's longest finish)
             return key[0] - 1 - version <= self.max_staleness
 
-        # the engines' decode batch on a GPU (SGLang's max_running_requests); the CPU engine takes any
-        capacity = None if cfg.cluster.device == "cpu" else C.max_running_requests(cfg) * getattr(engine, "engines", 1)
+        # the engines' decode batch (SGLang's max_running_requests); the CPU engine takes any unless it is set
+        per_engine = cfg.rollout.max_running_requests if cfg.cluster.device == "cpu" else C.max_running_requests(cfg)
+        capacity = per_engine and per_engine * getattr(engine, "engines", 1)
         self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
                                     cfg.rollout.max_response_len, t.partial_rollout_tokens, may_start, start,
                                     self.clocks.engine, self.clocks.trainer_waits, max_live=capacity)
@@ -246,15 +249,19 @@ class FullyAsync:
         own = self.next_step  # == step in a run (a test may train a step's groups under a later step)
         self.next_step += 1
         slot_of = {i: slot for slot, i in enumerate(self.step_order(own))}
-        regenerated = 0
+        regenerated = dropped = 0
 
         def generate(prompts: list[int], seed: int):  # a round's groups from the buffer (the worker seeds them)
-            nonlocal regenerated
+            nonlocal regenerated, dropped
             keys = [(own, slot_of[i]) for i in prompts]
             self.worker.request([(k, i) for k, i in zip(keys, prompts) if k[1] >= self.first_round])  # refills
             groups = dict(zip(keys, self.worker.take(keys)))
             while stale := [k for k, g in groups.items()
                             if step - 1 - min(v for s in g for v in s.versions) > self.max_staleness]:
+                if self.drop_stale and len(stale) < len(groups):
+                    dropped += len(stale)
+                    keys = [k for k in keys if k not in stale]
+                    break
                 self.worker.request([(k, groups[k][0].prompt_index) for k in stale])
                 regenerated += len(stale)
                 groups.update(zip(stale, self.worker.take(stale)))
@@ -265,7 +272,8 @@ class FullyAsync:
 
         batch, idx, score, reward, metrics = sample_step_batch(
             self.cfg, self.engine, self.source, self.prompts_of(own), self.cfg.trainer.seed * 100003 + own, generate)
-        metrics.update({"async/regenerated_groups": float(regenerated), **self.clocks.step_metrics(batch, step)})
+        metrics.update({"async/regenerated_groups": float(regenerated), "async/dropped_groups": float(dropped),
+                        **self.clocks.step_metrics(batch, step)})
         return batch, idx, score, reward, metrics
 
     def sync(self, step: int, verify: bool | None = None) -> dict:

@@ -97,8 +97,8 @@ class RolloutConfig(Section):
     val_n: int = Field(1, ge=1)
     cuda_graph_max_bs: int = Field(256, ge=1, description="largest decode batch captured in a CUDA graph")
     max_running_requests: int | None = Field(None, ge=1, description=(
-        "largest decode batch an engine runs (GPU); null: cuda_graph_max_bs, so every decode step "
-        "replays a captured graph and stays within the memory plan"))
+        "largest decode batch an engine runs; null: on GPUs cuda_graph_max_bs, so every decode step "
+        "replays a captured graph and stays within the memory plan; on CPU no limit"))
     chunked_prefill_size: int = Field(8192, ge=1, description="prefill tokens per forward")
     attention_backend: str | None = Field(None, description="SGLang's; null: its default (CPU: torch_native)")
     seeded: bool = Field(True, description="each completion samples with its own seed: reproducible (pytorch sampler)")
@@ -311,7 +311,12 @@ class TrainerConfig(Section):
         "while step k+1's is generated. fully_async: a rollout worker keeps the engines busy and hands finished groups "
         "to a buffer (mcore_rl/async_loop.py). Both need engines of their own (cluster.colocate: false)"))
     sync_every: int = Field(1, ge=1, description="fully_async: weights go to the engines after every N updates")
-    max_staleness: int = Field(1, ge=0, description="fully_async: a group with a token > N versions old is regenerated")
+    max_staleness: int = Field(1, ge=0, description=(
+        "fully_async: a group with a token > N versions older than the trainer's weights is stale (stale_groups)"))
+    stale_groups: Literal["regenerate", "drop"] = Field("regenerate", description=(
+        "fully_async: regenerate: a stale group is generated again on the engines' weights; drop: left out of its "
+        "step, which trains on the rest (dynamic sampling's refills make up the batch); a step left with no group "
+        "regenerates"))
     partial_rollout_tokens: int = Field(0, ge=0, description=(
         "fully_async: responses are generated this many tokens at a time and resubmitted with their tokens so far, "
         "so a weight sync lands between the pieces (partial rollout); 0: whole responses"))

@@ -223,6 +223,40 @@ def test_a_round_of_pieces_holds_one_wave_of_the_engines_oldest_step_first(fully
     assert any(2 in r for r in rounds[1:])  # step 2 comes in as step 1's responses finish
 
 
+def test_stale_groups_dropped_leave_the_step_its_fresh_groups(fully_async_run):
+    """trainer.stale_groups=drop with rounds of one group (rollout.max_running_requests = rollout.n):
+    step 1's first group gets its first token from version 0, its last group starts after the sync,
+    on version 1. Trained as step 4 (version 3, bound 2), the groups with a version-0 token are left
+    out, none regenerated, and the step trains on the rest, in its prompts' order."""
+    import copy
+
+    from mcore_rl.async_loop import FullyAsync
+    from mcore_rl.train import step_prompts
+
+    cfg, group, engine, sync, source = fully_async_run
+    drop = copy.deepcopy(cfg)
+    drop.trainer.stale_groups = "drop"
+    drop.rollout.max_running_requests = drop.rollout.n
+    sync(0)
+    run = FullyAsync(drop, engine, sync, source, lambda k: step_prompts(cfg, source, k), start=0)
+    try:
+        w = run.worker
+        with w.cond:  # the first round of pieces is in: group (1, 0) holds version-0 tokens
+            while not any(s.tokens for s in w.in_flight.get((1, 0)) or w.ready.get((1, 0)) or []):
+                w.raise_if_failed()
+                w.cond.wait(timeout=1.0)
+        run.sync(1)
+        batch, idx, _, _, metrics = run.step_batch(4)
+    finally:
+        run.shutdown()
+    n, prompts = cfg.rollout.n, step_prompts(cfg, source, 1)
+    dropped = int(metrics["async/dropped_groups"])
+    assert 1 <= dropped < len(prompts) and metrics["async/regenerated_groups"] == 0, metrics
+    assert idx == [i for i in prompts[dropped:] for _ in range(n)]  # oldest first: the first groups went
+    mask = batch["response_mask"].bool()
+    assert (batch["token_versions"][mask] == 1).all() and metrics["async/staleness_max"] == 2
+
+
 def test_an_engine_killed_during_a_weight_sync_is_an_error_long_before_the_deadline(fully_async_run):
     """The engine's scheduler is stopped and a weight sync starts: the trainer's broadcast waits on
     it. The scheduler is then killed: the sync fails within seconds naming the engine and the call

@@ -107,6 +107,8 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
         # taken from the trainer's ranks (colocated, they update while the engines wait) and other engines
         args.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
                     disable_cuda_graph=True, max_total_tokens=r.cpu_kv_tokens, sleep_on_idle=True)
+        if r.max_running_requests:  # unset, the CPU engine takes any batch
+            args["max_running_requests"] = r.max_running_requests
     else:
         # disable_shared_experts_fusion: on GPUs SGLang may fold a shared expert into the routed ones
         # (GLM-4.5, DeepSeek-V3 at EP 1); the sync's read-back table (sync/engine_layout.py) knows
