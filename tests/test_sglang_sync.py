@@ -492,6 +492,39 @@ def test_single_source_plan_sends_everything_from_rank_zero():
     assert any(dst == 0 for r in (1, 2, 3) for b in plan.for_rank(r) for _, dst in b.sends)
 
 
+@pytest.mark.parametrize("engine,rank_of", [(EngineLayout(1, 1, 1, 1), {0: 0}),
+                                             (EngineLayout(2, 2, 1, 2), {0: 0, 1: 1})])
+def test_a_direct_load_copies_each_layers_experts_at_once(engine, rank_of):
+    """The plan orders a bucket as SGLang stacks the experts (w13[e] = [gate_e; up_e], w2[e] = down_e),
+    so the direct load copies a layer's local experts into each of w13 and w2 with one copy, and
+    a later sync of the same bucket makes the same copies."""
+    from mcore_rl.sync import engine_layout
+    from mcore_rl.sync.bucket import flatten
+
+    hf = HFModel.from_dict(dict(model_type="qwen3_moe", vocab_size=256, hidden_size=32, intermediate_size=64,
+                                moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2))
+    plan = SyncPlan.build(hf, Layout(), len(rank_of), engine, rank_of, bucket_bytes=1 << 30)
+    for r in rank_of.values():
+        (bucket,) = plan.for_rank(r)
+        flat, metas = flatten([(t.name, torch.randn(t.shape).to(t.dtype)) for t in bucket.payload])
+        params = {}
+        for name, t in engine_layout.unflatten(flat, metas):
+            for p in engine_layout.place(name, t, engine, r, hf):
+                params[p.param] = max(params.get(p.param, 0), p.offset + p.src.numel())
+        params = {k: torch.zeros(n, dtype=torch.bfloat16) for k, n in params.items()}
+        engine_layout._COPIES.clear()
+        engine_layout.load_direct(params, flat, metas, engine, r, hf)
+        (copies,) = engine_layout._COPIES.values()
+        experts = [c[0] for c in copies if ".experts." in c[0]]
+        assert all(c[6] is None for c in copies if ".experts." in c[0])  # slices of the bucket
+        assert sorted(experts) == sorted(f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                                         for w in ("w13_weight", "w2_weight")), experts
+        again = {k: torch.zeros_like(v) for k, v in params.items()}
+        engine_layout.load_direct(again, flat.clone(), metas, engine, r, hf)
+        assert all(torch.equal(again[k], v) for k, v in params.items())
+
+
 def test_every_family_the_direct_load_accepts_is_checked_here():
     from mcore_rl.config_checks import DIRECT_LOAD_FAMILIES
 

@@ -93,13 +93,11 @@ def load_bucket_direct(model, payload: bytes, layout, hf, tp_rank: int) -> None:
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    from mcore_rl.sync.bucket import unflatten
     from mcore_rl.sync.engine_layout import load_direct
 
     monkey_patch_torch_reductions()  # CUDA handles carry GPU UUIDs, as SGLang's own weight updates read them
     bucket = MultiprocessingSerializer.deserialize(payload)
-    load_direct(dict(model.named_parameters()), unflatten(bucket["flattened_tensor"], bucket["metadata"]),
-                layout, tp_rank, hf)
+    load_direct(dict(model.named_parameters()), bucket["flattened_tensor"], bucket["metadata"], layout, tp_rank, hf)
 
 
 def _scheduler_load_bucket(self, payloads: list, layout, hf) -> None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mcore_rl.sync.bucket import unflatten
 from mcore_rl.sync.checksum import digest
 from mcore_rl.sync.fp8 import SCALE_SUFFIX
 
@@ -207,18 +208,86 @@ def _qkv_piece(name, target, t, rule, tp, tp_rank, hf) -> Piece:
     return Piece(target, start * width, src.contiguous())
 
 
-def load_direct(params: dict[str, torch.Tensor], named, layout: EngineLayout, tp_rank: int, hf) -> None:
-    """HF tensors copied straight into SGLang engine rank `tp_rank`'s parameters where `place` puts
-    them: what SGLang's `load_weights` does, without its per-tensor name matching (a layer of 128
-    experts is 384 tensors, each matched against a list of 384 expert names; `rollout.sync_load:
-    direct`). Only for models SGLang derives nothing from after loading (not MLA, not FP8)."""
+def load_order(name: str, hf) -> tuple:
+    """Sort key of HF tensor `name` by where it lands in SGLang: its parameter, then the expert and
+    the fused part (w13[e] = [gate_e; up_e], w2[e] = down_e)."""
+    target, rule = engine_param(name, hf)
+    expert = int(name.split(".mlp.experts.")[1].split(".")[0]) if rule.split in ("moe_row", "moe_col") else -1
+    return target, expert, rule.part
+
+
+def load_direct(params: dict[str, torch.Tensor], flat: torch.Tensor, metas, layout: EngineLayout, tp_rank: int,
+                hf) -> None:
+    """A flattened bucket (`mcore_rl.sync.bucket`: its buffer and per-tensor metadata) copied straight
+    into SGLang engine rank `tp_rank`'s parameters where `place` puts each HF tensor: what SGLang's
+    `load_weights` does, without its per-tensor name matching (a layer of 128 experts is 384 tensors,
+    each matched against a list of 384 expert names; `rollout.sync_load: direct`). Only for models
+    SGLang derives nothing from after loading (not MLA, not FP8).
+    Tensors that follow each other both in the bucket and in one parameter (a layer's experts, in
+    the plan's `load_order`) go as one copy. The copies of a bucket are worked out once: every sync
+    sends the same buckets, and the per-tensor work was most of a direct load's host time."""
+    key = (repr(layout), tp_rank, repr(sorted(hf.cfg.items())), tuple((m.name, m.start_idx, m.end_idx) for m in metas))
+    if key not in _COPIES:
+        _COPIES[key] = [_copy(flat, *run) for run in _runs(unflatten(flat, metas), layout, tp_rank, hf)]
     with torch.no_grad():
-        for name, t in named:
-            for piece in place(name, t, layout, tp_rank, hf):
-                flat = params[piece.param].data.view(-1)
-                flat[piece.offset:piece.offset + piece.src.numel()].copy_(piece.src.view(-1))
-                if _rule(name, hf).split == "vocab":  # past the vocab: zero, as SGLang's loader leaves it
-                    flat[piece.src.numel():].zero_()
+        for param, offset, start, numel, dtype, vocab, origin in _COPIES[key]:
+            if origin is None:  # a slice of the bucket
+                src = flat[start:start + numel * dtype.itemsize].view(dtype)
+            else:  # a TP slice of one tensor, made contiguous: sliced again
+                (name, t), = unflatten(flat, [metas[origin[0]]])
+                src = place(name, t, layout, tp_rank, hf)[origin[1]].src.view(-1)
+            dst = params[param].data.view(-1)
+            dst[offset:offset + numel].copy_(src)
+            if vocab:  # past the vocab: zero, as SGLang's loader leaves it
+                dst[numel:].zero_()
+
+
+# per engine rank, model and bucket (its tensors' names and places): the copies `load_direct` makes
+_COPIES: dict[tuple, list[tuple]] = {}
+
+
+def _copy(flat: torch.Tensor, param: str, offset: int, src: torch.Tensor, vocab: bool, origin: tuple) -> tuple:
+    """(param, offset, byte start in `flat`, numel, dtype, is vocab, origin): origin None where the
+    source is a slice of `flat`, else (tensor, piece) of the `place` piece it is."""
+    if src.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+        start, origin = src.storage_offset() * src.element_size() - flat.storage_offset(), None
+    else:
+        start = -1
+    return param, offset, start, src.numel(), src.dtype, vocab, origin
+
+
+def _runs(named, layout: EngineLayout, tp_rank: int, hf):
+    """(parameter, element offset, 1-D source, is vocab, (tensor, piece) it starts with) per copy:
+    `place`'s pieces, a piece joined to the one before where it continues it in memory (the same
+    buffer, right after) and in the parameter (right after)."""
+    run = None  # [param, offset, first source, numel, origin]
+    for i, (name, t) in enumerate(named):
+        vocab = _rule(name, hf).split == "vocab"
+        for k, p in enumerate(place(name, t, layout, tp_rank, hf)):
+            if run is not None and not vocab and run[0] == p.param and run[1] + run[3] == p.offset \
+                    and _continues(run[2], run[3], p.src):
+                run[3] += p.src.numel()
+                continue
+            if run is not None:
+                yield run[0], run[1], _span(run[2], run[3]), False, run[4]
+            if vocab:
+                yield p.param, p.offset, p.src.view(-1), True, (i, k)
+                run = None
+            else:
+                run = [p.param, p.offset, p.src, p.src.numel(), (i, k)]
+    if run is not None:
+        yield run[0], run[1], _span(run[2], run[3]), False, run[4]
+
+
+def _continues(first: torch.Tensor, numel: int, src: torch.Tensor) -> bool:
+    return (src.dtype == first.dtype and src.device == first.device and src.is_contiguous()
+            and src.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and src.storage_offset() == first.storage_offset() + numel)
+
+
+def _span(first: torch.Tensor, numel: int) -> torch.Tensor:
+    """`numel` elements of `first`'s buffer from where `first` starts."""
+    return first.as_strided((numel,), (1,), first.storage_offset())
 
 
 class ExpectedDigests:

@@ -277,9 +277,14 @@ class SyncPlan:
                 self._place(p, dests[p.mcore], current)
         if current:
             self.buckets.append(current)
-        for b in self.buckets:  # larger itemsizes first: every tensor stays aligned in the flat buffer
+        # larger itemsizes first: every tensor stays aligned in the flat buffer; then in the order of the
+        # engine's parameters, so a layer's experts lie in the bucket as in SGLang's stacked w13/w2 and
+        # a direct load copies them as one run (mcore_rl.sync.engine_layout.load_direct)
+        from mcore_rl.sync.engine_layout import load_order
+
+        for b in self.buckets:
             for rb in b.values():
-                rb.payload.sort(key=lambda t: -t.dtype.itemsize)
+                rb.payload.sort(key=lambda t: (-t.dtype.itemsize, load_order(t.name, self.hf)))
 
     def _place(self, p: Param, dests: list[int], bucket: dict[int, RankBucket]) -> None:
         holders = self.holders[p.mcore]
