@@ -265,16 +265,18 @@ class SyncPlan:
             units.append([p])
         units.extend(pending_qa.values())
         current: dict[int, RankBucket] = {}
+        filled = dict.fromkeys(self.engine_rank_of, 0)  # current's payload bytes per rank, kept as it grows
         for unit in units:
             dests = {p.mcore: self._needs(p, single) for p in unit}
             size = {t: sum(self.tensors[h].nbytes for p in unit if t in dests[p.mcore] for h in self.names_of(p))
                     for t in self.engine_rank_of}
-            if current and any(current.get(t, RankBucket()).payload_bytes + size[t] > cap
-                               for t in size if size[t]):
+            if current and any(filled[t] + size[t] > cap for t in size if size[t]):
                 self.buckets.append(current)
-                current = {}
+                current, filled = {}, dict.fromkeys(self.engine_rank_of, 0)
             for p in unit:
                 self._place(p, dests[p.mcore], current)
+            for t, n in size.items():
+                filled[t] += n
         if current:
             self.buckets.append(current)
         # larger itemsizes first: every tensor stays aligned in the flat buffer; then in the order of the
