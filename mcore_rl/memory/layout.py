@@ -133,10 +133,10 @@ class EngineTensor:
 
 def _engine_name(hf: HFModel, hf_name: str) -> tuple[str, int | None]:
     """(engine tensor name, expert index) for an HF tensor; fused tensors share a name."""
-    from mcore_rl.sync.engine_layout import engine_param
+    from mcore_rl.sync.engine_layout import engine_param, expert_of
 
     name, rule = engine_param(hf_name, hf)
-    expert = int(hf_name.split(".mlp.experts.")[1].split(".")[0]) if rule.split.startswith("moe_") else None
+    expert = expert_of(hf_name) if rule.split.startswith("moe_") else None
     return name, expert
 
 

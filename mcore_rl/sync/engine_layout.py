@@ -138,6 +138,11 @@ def engine_param(name: str, hf) -> tuple[str, Place]:
     return (name[:-len(rule.suffix)] + (rule.into or rule.suffix) if rule.suffix else name), rule
 
 
+def expert_of(name: str) -> int:
+    """The routed expert of an HF expert tensor (`...mlp.experts.{e}...`)."""
+    return int(name.split(".mlp.experts.")[1].split(".")[0])
+
+
 def padded_vocab(vocab: int, tp: int, pad_to: int = 64) -> int:
     """SGLang's VocabParallelEmbedding: the vocab padded to a multiple of 64, or of 64 * tp where
     that would not split evenly (its CPU path; on GPUs SGLang refuses such a layout)."""
@@ -159,7 +164,7 @@ def place(name: str, t: torch.Tensor, layout: EngineLayout, tp_rank: int, hf) ->
     target, rule = engine_param(name, hf)
     tp = layout.tp_size
     if rule.split in ("moe_row", "moe_col"):
-        e = int(name.split(".mlp.experts.")[1].split(".")[0])
+        e = expert_of(name)
         experts = layout.experts_of(tp_rank, hf.num_experts)
         if e not in experts:
             return []
@@ -212,7 +217,7 @@ def load_order(name: str, hf) -> tuple:
     """Sort key of HF tensor `name` by where it lands in SGLang: its parameter, then the expert and
     the fused part (w13[e] = [gate_e; up_e], w2[e] = down_e)."""
     target, rule = engine_param(name, hf)
-    expert = int(name.split(".mlp.experts.")[1].split(".")[0]) if rule.split in ("moe_row", "moe_col") else -1
+    expert = expert_of(name) if rule.split in ("moe_row", "moe_col") else -1
     return target, expert, rule.part
 
 
