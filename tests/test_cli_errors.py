@@ -89,6 +89,8 @@ CASES = [
          "cluster.placement_timeout_s must be > 0"),
     Case("fp8 rollout, embedded engine", CONFIG[:3], ("rollout.weight_dtype=fp8", "rollout.engine=embedded"),
          "rollout.weight_dtype=fp8 needs rollout.engine=sglang, not embedded"),
+    Case("DeepGEMM without fp8 rollout", CONFIG[:3], ("rollout.fp8_kernels=deep_gemm",),
+         "rollout.fp8_kernels=deep_gemm needs rollout.weight_dtype=fp8"),
     Case("tuned MoE tiles missing", CONFIG[:3], ("rollout.moe_config_dir={d}/no_tiles",),
          "rollout.moe_config_dir={d}/no_tiles holds no configs/ folder"),
     # the model config against what the builder, converters and engines take

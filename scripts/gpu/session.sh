@@ -81,11 +81,13 @@ for name, x in (("PinnedBuffer", b.tensor), ("pin_memory", t)):
 PY
       ;;
     # loop1gpu: CONFIG=configs/qwen3_30b_a3b_1gpu.yaml needs LIMIT of 250 s at 2 layers and more than 300 at 4
-    # beside another session (ninth pass); EXTRA_OVERRIDES=rollout.sync_load=direct for the direct engine load
+    # beside another session (ninth pass); EXTRA_OVERRIDES=rollout.sync_load=direct for the direct engine load;
+    # MCORE_RL_PROFILE_SYNC=3: the third sync under cProfile, its table in $OUT/loop_*.log
     loop1gpu) timeout "${LIMIT:-590}" "${PY[@]}" benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
                 --out "$OUT/loop_${LAYERS:-4}L${TAG:-}.json" ${NO_ALONE:+--no-engine-alone} \
                 cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers="${LAYERS:-4}" \
-                trainer.total_training_steps="${STEPS:-3}" "${EXTRA[@]}" 2>&1 | quiet | tail -60 ;;
+                trainer.total_training_steps="${STEPS:-3}" "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/loop_${LAYERS:-4}L${TAG:-}.log" \
+                | tail -60 ;;
     async2gpu)  # issue 26 on two GPUs (nvidia-h100-x2): the trainer on one, SGLang on the other, samples/s per
       # mode. Random weights sample near-uniformly, so 1,800 extra stop ids (1.1 % of the vocab) give
       # geometric response lengths: median about 63 tokens, one in 256 past 8x that (cap 512).
