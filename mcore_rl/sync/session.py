@@ -56,8 +56,10 @@ class SyncSession:
         cuda = torch.cuda.is_available()
         if spec.transport == "ipc":
             serializer, meta_cls = T.sglang_wire() if cuda else T.by_value()
+            largest = max((rb.payload_bytes for rb in spec.plan.for_rank(self.rank)), default=0)
             self.transport = T.CudaIpcTransport(spec.target, spec.slot_of, serializer=serializer, meta_cls=meta_cls,
-                                                direct=(spec.plan.engine, spec.plan.hf) if spec.direct_load else None)
+                                                direct=(spec.plan.engine, spec.plan.hf) if spec.direct_load else None,
+                                                capacity=largest)
         elif spec.transport == "broadcast":
             group = None
             if self.rank == 0:

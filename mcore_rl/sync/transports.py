@@ -86,12 +86,13 @@ class CudaIpcTransport(Transport):
     only once the engine call that read it has returned and every rank has heard so (a barrier)."""
 
     def __init__(self, engine, engine_rank_of: dict[int, int], driver: int = 0, serializer=None,
-                 meta_cls=None, group=None, direct: tuple | None = None):
+                 meta_cls=None, group=None, direct: tuple | None = None, capacity: int = 0):
         """direct: (engine layout, HF model) to have the engine copy each bucket straight into its
         parameters (`engine.load_weights_direct`, rollout.sync_load: direct) instead of loading it
-        through SGLang's load_weights."""
+        through SGLang's load_weights. capacity: bytes of this rank's largest bucket, each buffer's
+        size from its first use."""
         super().__init__(engine, driver)
-        self.direct = direct
+        self.direct, self.capacity = direct, capacity
         if serializer is None or meta_cls is None:
             serializer, meta_cls = sglang_wire()
         self.engine_rank_of, self.serialize, self.meta_cls, self.group = engine_rank_of, serializer, meta_cls, group
@@ -138,7 +139,8 @@ class CudaIpcTransport(Transport):
         """Bucket buffer `which`, grown to fit `named`: the trainer's share of the sync phase stays
         two buckets plus the gathers filling one, whatever the bucket count. A block sent over IPC
         goes back to the allocator only once the engine has let go of it, so fresh buffers per
-        bucket could pile up."""
+        bucket could pile up. Sized at `capacity` from the start: grown bucket by bucket, the
+        allocations took 89 of a sync's 226 host ms (Qwen3-30B-A3B, 4 layers, 12 buckets, H200)."""
         from mcore_rl.memory.allocator import ipc_shareable
 
         if not named or named[0][1].device.type != "cuda":
@@ -148,7 +150,8 @@ class CudaIpcTransport(Transport):
         if buf is None or buf.numel() < need:
             self._buffers[which] = None  # the smaller one goes first
             with ipc_shareable():  # the engine maps this buffer through CUDA IPC
-                self._buffers[which] = torch.empty(need, dtype=torch.uint8, device=named[0][1].device)
+                self._buffers[which] = torch.empty(max(need, self.capacity), dtype=torch.uint8,
+                                                   device=named[0][1].device)
         return self._buffers[which]
 
     def end(self) -> None:
