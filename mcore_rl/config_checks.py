@@ -326,8 +326,9 @@ def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
         if cfg.rollout.fp8_kernels != "triton":
             errors.append(f"rollout.fp8_kernels={cfg.rollout.fp8_kernels} needs rollout.weight_dtype=fp8")
         return
-    if cfg.rollout.fp8_kernels == "deep_gemm" and cfg.cluster.device == "cpu":
-        errors.append("rollout.fp8_kernels=deep_gemm runs on GPUs (Hopper); SGLang's CPU engine has its own FP8 path")
+    if cfg.rollout.fp8_kernels != "triton" and cfg.cluster.device == "cpu":
+        errors.append(f"rollout.fp8_kernels={cfg.rollout.fp8_kernels} runs on GPUs (Hopper); SGLang's CPU engine "
+                      "has its own FP8 path")
     if cfg.rollout.engine != "sglang":
         errors.append(f"rollout.weight_dtype=fp8 needs rollout.engine=sglang, not {cfg.rollout.engine}")
     if hf is not None and not str(hf.get("model_type", "")).startswith("deepseek"):

@@ -91,6 +91,9 @@ CASES = [
          "rollout.weight_dtype=fp8 needs rollout.engine=sglang, not embedded"),
     Case("DeepGEMM without fp8 rollout", CONFIG[:3], ("rollout.fp8_kernels=deep_gemm",),
          "rollout.fp8_kernels=deep_gemm needs rollout.weight_dtype=fp8"),
+    Case("DeepGEMM on CPU", CONFIG[:3], ("rollout.weight_dtype=fp8", "rollout.fp8_kernels=deep_gemm_moe",
+                                         "model.hf_config.moe_intermediate_size=128", "model.hf_config.q_lora_rank=128"),
+         "rollout.fp8_kernels=deep_gemm_moe runs on GPUs (Hopper)"),
     Case("tuned MoE tiles missing", CONFIG[:3], ("rollout.moe_config_dir={d}/no_tiles",),
          "rollout.moe_config_dir={d}/no_tiles holds no configs/ folder"),
     # the model config against what the builder, converters and engines take

@@ -85,9 +85,10 @@ def test_an_fp8_engine_starts_from_an_fp8_checkpoints_config(tmp_path):
     assert args["load_format"] == "dummy"  # every weight comes from the first (read-back) sync
     assert engine_env(cfg, EngineLayout(1, 1, 1, 1))["SGLANG_ENABLE_JIT_DEEPGEMM"] == "0"
     assert "moe_runner_backend" not in args  # SGLang's auto: triton without DeepEP
-    cfg.rollout.fp8_kernels = "deep_gemm"
-    assert engine_args(cfg, out, EngineLayout(1, 1, 1, 1), 0, None, 0.5)["moe_runner_backend"] == "deep_gemm"
-    env = engine_env(cfg, EngineLayout(1, 1, 1, 1))
-    assert (env["SGLANG_ENABLE_JIT_DEEPGEMM"], env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"]) == ("1", "0")
+    for kernels, moe in (("deep_gemm", None), ("deep_gemm_moe", "deep_gemm")):
+        cfg.rollout.fp8_kernels = kernels
+        assert engine_args(cfg, out, EngineLayout(1, 1, 1, 1), 0, None, 0.5).get("moe_runner_backend") == moe
+        env = engine_env(cfg, EngineLayout(1, 1, 1, 1))
+        assert (env["SGLANG_ENABLE_JIT_DEEPGEMM"], env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"]) == ("1", "0")
     plain = engine_model_dir(str(hf), str(tmp_path / "plain"), [1], "cpu")
     assert "quantization_config" not in json.loads(open(os.path.join(plain, "config.json")).read())

@@ -100,7 +100,7 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
         args["dist_init_addr"] = dist_init_addr
     if r.weight_dtype == "fp8":  # the files hold bf16 weights; FP8 layers get theirs from the first sync
         args["load_format"] = "dummy"
-        if r.fp8_kernels == "deep_gemm":  # SGLang's auto picks DeepGEMM's MoE runner only with DeepEP
+        if r.fp8_kernels == "deep_gemm_moe":  # SGLang's auto picks DeepGEMM's MoE runner only with DeepEP
             args["moe_runner_backend"] = "deep_gemm"
     if C.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
@@ -133,7 +133,7 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
     if cfg.rollout.weight_dtype == "fp8":
         # the kernels read the block scales as the sync sent them (the read-back compares them); with
         # DeepGEMM SGLang requantizes them to UE8M0 after loading on Blackwell (0.5.17-0.5.20), not on Hopper
-        deep_gemm = cfg.rollout.fp8_kernels == "deep_gemm"
+        deep_gemm = cfg.rollout.fp8_kernels.startswith("deep_gemm")
         env["SGLANG_ENABLE_JIT_DEEPGEMM"] = "1" if deep_gemm else "0"
         if deep_gemm:  # kernels compiled on first use: SGLang's pre-compile of every batch size takes 10-20 min
             env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] = "0"
