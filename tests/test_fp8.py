@@ -92,3 +92,21 @@ def test_an_fp8_engine_starts_from_an_fp8_checkpoints_config(tmp_path):
         assert (env["SGLANG_ENABLE_JIT_DEEPGEMM"], env["SGLANG_JIT_DEEPGEMM_PRECOMPILE"]) == ("1", "0")
     plain = engine_model_dir(str(hf), str(tmp_path / "plain"), [1], "cpu")
     assert "quantization_config" not in json.loads(open(os.path.join(plain, "config.json")).read())
+
+
+def test_an_engine_asked_for_deep_gemm_without_it_is_an_error_not_triton():
+    """SGLang runs triton's FP8 kernels wherever `import deep_gemm` fails: fp8_kernels=deep_gemm on
+    such a node must stop the engine's start, not quietly measure triton."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deep_gemm") is not None:
+        pytest.skip("deep_gemm is installed here")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from mcore_rl.rollout.sglang import SGLangServer\n"
+            "SGLangServer({}, 'gpu', env={'SGLANG_ENABLE_JIT_DEEPGEMM': '1'})")
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "EngineError: rollout.fp8_kernels asks for DeepGEMM, which this node's Python lacks" in p.stderr

@@ -10,6 +10,7 @@ engine process (weight digests for verifying a sync, the CPU MLA handler).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -232,6 +233,10 @@ class SGLangServer:
         self.tp_ranks = range(self.node_rank * per, (self.node_rank + 1) * per)  # SGLang's, on this node
         if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+        if os.environ.get("SGLANG_ENABLE_JIT_DEEPGEMM") == "1" and importlib.util.find_spec("deep_gemm") is None:
+            # SGLang would quietly run triton's kernels instead
+            raise EngineError("rollout.fp8_kernels asks for DeepGEMM, which this node's Python lacks "
+                              "(pip install sgl-deep-gemm, the version this SGLang requires)")
         import sglang
 
         self.version = sglang.__version__
