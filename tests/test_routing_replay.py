@@ -68,14 +68,16 @@ def test_replay_survives_activation_recompute():
         return probs, ids
 
     replay.get_replay_topk = spy
-    logits = [torch.randn(5, 8, requires_grad=True) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(5, 8, generator=gen, requires_grad=True) for _ in range(2)]
     outs = []
     for x, experts in zip(logits, ([0, 1], [6, 7])):
         replay.set_target_indices(torch.tensor([experts] * 5))
         route = lambda x: topk_routing_with_score_function(x, 2, score_function="sigmoid", router_replay=replay)[0]  # noqa: E731
         outs.append(tensor_parallel.checkpoint(route, False, x))
+    weight = torch.arange(1.0, 9.0)  # the top-k probs are normalized: their plain sum has no gradient
     for out in outs:
-        out.sum().backward()
+        (out * weight).sum().backward()
     assert taken == [[0, 1], [6, 7], [0, 1], [6, 7]]  # two forwards, then their recomputes in order
     assert [x.grad.abs().sum(0).nonzero().squeeze(1).tolist() for x in logits] == [[0, 1], [6, 7]]
 
