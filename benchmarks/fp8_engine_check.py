@@ -28,7 +28,10 @@ median generation tokens/s of three timed batches after a warm-up, and FP8's rat
 leave the step to what FP8 does not touch (attention, lm_head, sampling); the real depth says what
 FP8 buys a real model's rollout. `--kinds fp8` measures one engine; `--deep-gemm` and
 `--fp8-engine-arg KEY=VALUE` (e.g. `moe_runner_backend=...`) try the FP8 engine on other kernels
-than the loop's (triton's block-FP8 GEMMs and fused MoE).
+than the loop's (triton's block-FP8 GEMMs and fused MoE). A kind `fp8:KEY=VALUE[+KEY=VALUE]` is one
+more FP8 engine with those arguments, so one run compares several against one bf16 engine:
+`--kinds bf16,fp8,fp8:moe_runner_backend=cutlass`. The JSON is rewritten after each engine, so a run
+cut by a time limit keeps the engines it finished.
 """
 
 from __future__ import annotations
@@ -102,10 +105,25 @@ def engine(model_dir: str, attention_backend: str, **extra):
     return sglang.Engine(**adapt_args({**args, **extra}, server_arg_names()))
 
 
+def parse_kind(kind: str) -> tuple[str, dict]:
+    """"bf16" | "fp8" | "fp8:KEY=VALUE[+KEY=VALUE...]" -> (bf16 or fp8, that engine's own arguments)."""
+    base, _, rest = kind.partition(":")
+    if base not in ("bf16", "fp8") or (rest and base != "fp8"):
+        raise ValueError(f"kind {kind!r}: bf16, fp8 or fp8:KEY=VALUE[+KEY=VALUE]")
+    args = {}
+    for item in filter(None, rest.split("+")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"kind {kind!r}: {item!r} is not KEY=VALUE")
+        args[key] = yaml.safe_load(value)
+    return base, args
+
+
 def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int, new_tokens: int,
-          kinds=("bf16", "fp8"), fp8_args: dict | None = None) -> dict:
+          kinds=("bf16", "fp8"), fp8_args: dict | None = None, done=None) -> dict:
     """{kind: median generation tokens/s} of each engine on dummy weights (see the module doc);
-    `fp8_args`: engine arguments of the FP8 engine alone (its MoE or GEMM backends)."""
+    `fp8_args`: engine arguments of every FP8 engine (its MoE or GEMM backends), a kind's own on
+    top (`parse_kind`); `done(out)` after each engine."""
     import random
 
     from mcore_rl.rollout.model_files import engine_model_dir
@@ -117,10 +135,11 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
     prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     out = {}
-    for kind in kinds:
-        model_dir = engine_model_dir(raw, os.path.join(work, kind), eos,
-                                     quantization_config=fp8.QUANTIZATION_CONFIG if kind == "fp8" else None)
-        extra = (fp8_args or {}) if kind == "fp8" else {}
+    for i, kind in enumerate(kinds):
+        base, own = parse_kind(kind)
+        model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos,
+                                     quantization_config=fp8.QUANTIZATION_CONFIG if base == "fp8" else None)
+        extra = {**(fp8_args or {}), **own} if base == "fp8" else {}
         t0 = time.perf_counter()
         eng = engine(model_dir, backend, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
                      cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
@@ -132,6 +151,8 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
             print(f"{kind}: started in {start_s:.0f} s, {out[kind]['tokens_per_s']:.0f} tokens/s", flush=True)
         finally:
             eng.shutdown()
+        if done is not None:
+            done(out)
     return out
 
 
@@ -173,7 +194,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=128, help="--speed: requests decoded together")
     ap.add_argument("--moe-config-dir", help="SGLang's fused-MoE tiles from benchmarks/tune_fused_moe.py "
                     "(rollout.moe_config_dir); default: the ones it ships")
-    ap.add_argument("--kinds", default="bf16,fp8", help="--speed: which engines (bf16, fp8)")
+    ap.add_argument("--kinds", default="bf16,fp8", help=(
+        "--speed: which engines, in order: bf16, fp8, fp8:KEY=VALUE[+KEY=VALUE] (an FP8 engine with those arguments)"))
     ap.add_argument("--fp8-engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="--speed: an SGLang engine argument of the FP8 engine alone, e.g. moe_runner_backend=triton "
                     "(repeatable; values parsed as YAML)")
@@ -184,8 +206,13 @@ def main() -> int:
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if not a.speed and (a.fp8_engine_arg or a.deep_gemm or kinds != ("bf16", "fp8")):
         ap.error("--kinds, --fp8-engine-arg and --deep-gemm are for --speed")
-    if set(kinds) - {"bf16", "fp8"} or not kinds:
-        ap.error(f"--kinds {a.kinds!r}: a comma-separated subset of bf16,fp8")
+    try:
+        if not kinds or len(set(kinds)) < len(kinds):
+            raise ValueError("name each engine once")
+        for kind in kinds:
+            parse_kind(kind)
+    except ValueError as e:
+        ap.error(f"--kinds {a.kinds!r}: {e}")
     fp8_args = {}
     for item in a.fp8_engine_arg:
         key, eq, value = item.partition("=")
@@ -214,15 +241,22 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="fp8_check_")
     t0 = time.perf_counter()
     if a.speed:
-        rates = speed(hf_config, work, backend, a.batch, a.prompt_len, a.new_tokens, kinds, fp8_args)
-        ratio = rates["fp8"]["tokens_per_s"] / rates["bf16"]["tokens_per_s"] if len(rates) == 2 else None
-        write_json({"config": a.config, "hf_config": hf_config, "batch": a.batch, "prompt_len": a.prompt_len,
-                    "new_tokens": a.new_tokens, "attention_backend": backend, "moe_config_dir": a.moe_config_dir,
-                    "fp8_engine_args": fp8_args, "deep_gemm": a.deep_gemm, "speed": rates, "fp8_over_bf16": ratio,
-                    "wall_s": round(time.perf_counter() - t0, 1)}, a.out)
-        print(table(["engine", "tokens/s (median of 3)"], [[k, v["tokens_per_s"]] for k, v in rates.items()], digits=0))
-        if ratio:
-            print(f"fp8 / bf16: {ratio:.3f}x ({hf_config['num_hidden_layers']} layers, batch {a.batch})")
+        def report(rates: dict) -> dict:  # each FP8 engine against bf16, where both ran
+            bf16 = rates.get("bf16", {}).get("tokens_per_s")
+            ratios = {k: v["tokens_per_s"] / bf16 for k, v in rates.items() if bf16 and k != "bf16"}
+            write_json({"config": a.config, "hf_config": hf_config, "batch": a.batch, "prompt_len": a.prompt_len,
+                        "new_tokens": a.new_tokens, "attention_backend": backend, "moe_config_dir": a.moe_config_dir,
+                        "fp8_engine_args": fp8_args, "deep_gemm": a.deep_gemm, "kinds": list(kinds), "speed": rates,
+                        "fp8_over_bf16": ratios.get("fp8"), "over_bf16": ratios,
+                        "complete": len(rates) == len(kinds), "wall_s": round(time.perf_counter() - t0, 1)}, a.out)
+            return ratios
+
+        rates = speed(hf_config, work, backend, a.batch, a.prompt_len, a.new_tokens, kinds, fp8_args, done=report)
+        ratios = report(rates)
+        print(table(["engine", "tokens/s (median of 3)", "/ bf16"],
+                    [[k, v["tokens_per_s"], f"{ratios[k]:.3f}x" if k in ratios else "-"] for k, v in rates.items()],
+                    digits=0))
+        print(f"{hf_config['num_hidden_layers']} layers, batch {a.batch}")
         return 0
     dirs = write_models(hf_config, work, a.seed)
     rng = random.Random(a.seed)

@@ -101,7 +101,8 @@ PY
         data.task_val_size=32 trainer.partial_rollout_tokens="${SEGMENT:-64}" trainer.max_staleness="${STALENESS:-1}" \
         trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/modes_2gpu${TAG:-}.log" | tail -40 ;;
     fp8_speed)  # issue 28: SGLang alone on dummy weights, bf16 then FP8, at a real depth (Moonlight: 27 layers);
-      # FP8_ARGS for the FP8 engine's kernels, e.g. "--kinds fp8 --deep-gemm" or "--fp8-engine-arg moe_runner_backend=..."
+      # FP8_ARGS for the FP8 engine's kernels, e.g. "--kinds fp8 --deep-gemm" or "--fp8-engine-arg moe_runner_backend=...";
+      # several FP8 engines against one bf16: "--deep-gemm --kinds bf16,fp8,fp8:moe_runner_backend=cutlass"
       timeout "${LIMIT:-590}" python3 benchmarks/fp8_engine_check.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
         --out "$OUT/fp8_speed_${LAYERS:-27}L${TAG:-}.json" --speed --layers "${LAYERS:-27}" --batch "${BATCH:-128}" \
         --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} "${FP8[@]}" 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
