@@ -105,18 +105,26 @@ def engine(model_dir: str, attention_backend: str, **extra):
     return sglang.Engine(**adapt_args({**args, **extra}, server_arg_names()))
 
 
+def engine_arguments(items) -> dict:
+    """["KEY=VALUE", ...] -> {KEY: VALUE parsed as YAML}."""
+    args = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{item!r} is not KEY=VALUE")
+        args[key] = yaml.safe_load(value)
+    return args
+
+
 def parse_kind(kind: str) -> tuple[str, dict]:
     """"bf16" | "fp8" | "fp8:KEY=VALUE[+KEY=VALUE...]" -> (bf16 or fp8, that engine's own arguments)."""
     base, _, rest = kind.partition(":")
     if base not in ("bf16", "fp8") or (rest and base != "fp8"):
         raise ValueError(f"kind {kind!r}: bf16, fp8 or fp8:KEY=VALUE[+KEY=VALUE]")
-    args = {}
-    for item in filter(None, rest.split("+")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"kind {kind!r}: {item!r} is not KEY=VALUE")
-        args[key] = yaml.safe_load(value)
-    return base, args
+    try:
+        return base, engine_arguments(filter(None, rest.split("+")))
+    except ValueError as e:
+        raise ValueError(f"kind {kind!r}: {e}") from None
 
 
 def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int, new_tokens: int,
@@ -213,12 +221,10 @@ def main() -> int:
             parse_kind(kind)
     except ValueError as e:
         ap.error(f"--kinds {a.kinds!r}: {e}")
-    fp8_args = {}
-    for item in a.fp8_engine_arg:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            ap.error(f"--fp8-engine-arg {item!r}: expected KEY=VALUE")
-        fp8_args[key] = yaml.safe_load(value)
+    try:
+        fp8_args = engine_arguments(a.fp8_engine_arg)
+    except ValueError as e:
+        ap.error(f"--fp8-engine-arg: {e}")
     # as the loop's FP8 engines (mcore_rl.rollout.sglang), unless measuring DeepGEMM
     os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "1" if a.deep_gemm else "0"
     # SGLang's pre-compile covers every batch size up to 16k tokens ("10-20 mins", its own log);
