@@ -17,21 +17,7 @@ bf16 engine samples responses; every engine then scores the same prompt + respon
   engine's post-load steps (MLA's w_kc/w_vc from kv_b_proj, the FP8 layers' own) follow an update.
 Prints a table; writes JSON.
 
-    python benchmarks/fp8_engine_check.py --config configs/moonlight_2gpu.yaml --out fp8_speed.json \
-        --speed --layers 27
-
-measures speed instead: SGLang alone on dummy weights (no files but the config, so any depth fits
-the disk), bf16 then FP8 (the same config with the FP8 checkpoint's quantization_config), CUDA
-graphs on and the decode batch capped as in the loop (`--batch` requests, cuda_graph_max_bs =
-max_running_requests = batch), each decoding `--new-tokens` tokens per request past the EOS; the
-median generation tokens/s of three timed batches after a warm-up, and FP8's ratio. A few layers
-leave the step to what FP8 does not touch (attention, lm_head, sampling); the real depth says what
-FP8 buys a real model's rollout. `--kinds fp8` measures one engine; `--deep-gemm` and
-`--fp8-engine-arg KEY=VALUE` (e.g. `moe_runner_backend=...`) try the FP8 engine on other kernels
-than the loop's (triton's block-FP8 GEMMs and fused MoE). A kind `fp8:KEY=VALUE[+KEY=VALUE]` is one
-more FP8 engine with those arguments, so one run compares several against one bf16 engine:
-`--kinds bf16,fp8,fp8:moe_runner_backend=cutlass`. The JSON is rewritten after each engine, so a run
-cut by a time limit keeps the engines it finished.
+Speed is `benchmarks/fp8_speed.py`.
 """
 
 from __future__ import annotations
@@ -44,12 +30,10 @@ import sys
 import tempfile
 import time
 
-import yaml
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.harness import config_only_model, table, timed_calls, write_json  # noqa: E402
+from benchmarks.harness import table, write_json  # noqa: E402
 
 FP8_NAMES = ("_proj.weight", "_proj_with_mqa.weight")  # what DeepSeek-V3's FP8 checkpoints quantize
 
@@ -105,65 +89,6 @@ def engine(model_dir: str, attention_backend: str, **extra):
     return sglang.Engine(**adapt_args({**args, **extra}, server_arg_names()))
 
 
-def engine_arguments(items) -> dict:
-    """["KEY=VALUE", ...] -> {KEY: VALUE parsed as YAML}."""
-    args = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"{item!r} is not KEY=VALUE")
-        args[key] = yaml.safe_load(value)
-    return args
-
-
-def parse_kind(kind: str) -> tuple[str, dict]:
-    """"bf16" | "fp8" | "fp8:KEY=VALUE[+KEY=VALUE...]" -> (bf16 or fp8, that engine's own arguments)."""
-    base, _, rest = kind.partition(":")
-    if base not in ("bf16", "fp8") or (rest and base != "fp8"):
-        raise ValueError(f"kind {kind!r}: bf16, fp8 or fp8:KEY=VALUE[+KEY=VALUE]")
-    try:
-        return base, engine_arguments(filter(None, rest.split("+")))
-    except ValueError as e:
-        raise ValueError(f"kind {kind!r}: {e}") from None
-
-
-def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int, new_tokens: int,
-          kinds=("bf16", "fp8"), fp8_args: dict | None = None, done=None) -> dict:
-    """{kind: median generation tokens/s} of each engine on dummy weights (see the module doc);
-    `fp8_args`: engine arguments of every FP8 engine (its MoE or GEMM backends), a kind's own on
-    top (`parse_kind`); `done(out)` after each engine."""
-    import random
-
-    from mcore_rl.rollout.model_files import engine_model_dir
-    from mcore_rl.sync import fp8
-
-    raw = config_only_model(hf_config, os.path.join(work, "config_only"))
-    eos = [hf_config.get("eos_token_id") or 1]
-    rng = random.Random(1)
-    prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
-    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
-    out = {}
-    for i, kind in enumerate(kinds):
-        base, own = parse_kind(kind)
-        model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos,
-                                     quantization_config=fp8.QUANTIZATION_CONFIG if base == "fp8" else None)
-        extra = {**(fp8_args or {}), **own} if base == "fp8" else {}
-        t0 = time.perf_counter()
-        eng = engine(model_dir, backend, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
-                     cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
-        start_s = time.perf_counter() - t0
-        try:  # ignore_eos: every request decodes new_tokens
-            seconds = timed_calls(lambda: eng.generate(input_ids=prompts, sampling_params=params), iters=3)
-            rates = [batch * new_tokens / s for s in seconds]
-            out[kind] = {"tokens_per_s": statistics.median(rates), "runs": rates, "start_s": round(start_s, 1)}
-            print(f"{kind}: started in {start_s:.0f} s, {out[kind]['tokens_per_s']:.0f} tokens/s", flush=True)
-        finally:
-            eng.shutdown()
-        if done is not None:
-            done(out)
-    return out
-
-
 def update_from_files(eng, model_dir: str, bucket_bytes: int = 512 << 20) -> None:
     """The loop's path into an FP8 engine: started on dummy weights, then every tensor (e4m3 weights
     and their scales) by update_weights_from_tensor, bucket by bucket, from GPU memory."""
@@ -198,72 +123,20 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--speed", action="store_true", help="tokens/s of bf16 and FP8 on dummy weights instead of gaps")
-    ap.add_argument("--batch", type=int, default=128, help="--speed: requests decoded together")
-    ap.add_argument("--moe-config-dir", help="SGLang's fused-MoE tiles from benchmarks/tune_fused_moe.py "
-                    "(rollout.moe_config_dir); default: the ones it ships")
-    ap.add_argument("--kinds", default="bf16,fp8", help=(
-        "--speed: which engines, in order: bf16, fp8, fp8:KEY=VALUE[+KEY=VALUE] (an FP8 engine with those arguments)"))
-    ap.add_argument("--fp8-engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="--speed: an SGLang engine argument of the FP8 engine alone, e.g. moe_runner_backend=triton "
-                    "(repeatable; values parsed as YAML)")
-    ap.add_argument("--deep-gemm", action="store_true", help=(
-        "--speed: DeepGEMM's JIT on, SGLang's own default on Hopper; the loop keeps it off, whose sync "
-        "reads back the block scales the engine holds (mcore_rl.rollout.sglang.engine_env)"))
     a = ap.parse_args()
-    kinds = tuple(k for k in a.kinds.split(",") if k)
-    if not a.speed and (a.fp8_engine_arg or a.deep_gemm or kinds != ("bf16", "fp8")):
-        ap.error("--kinds, --fp8-engine-arg and --deep-gemm are for --speed")
-    try:
-        if not kinds or len(set(kinds)) < len(kinds):
-            raise ValueError("name each engine once")
-        for kind in kinds:
-            parse_kind(kind)
-    except ValueError as e:
-        ap.error(f"--kinds {a.kinds!r}: {e}")
-    try:
-        fp8_args = engine_arguments(a.fp8_engine_arg)
-    except ValueError as e:
-        ap.error(f"--fp8-engine-arg: {e}")
-    # as the loop's FP8 engines (mcore_rl.rollout.sglang), unless measuring DeepGEMM
-    os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "1" if a.deep_gemm else "0"
-    # SGLang's pre-compile covers every batch size up to 16k tokens ("10-20 mins", its own log);
-    # compiled on first use instead, within the engine's start (start_s) and the warm-up call
-    os.environ["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] = "0"
+    os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"  # the loop's FP8 engines' default (rollout.fp8_kernels)
     import random
 
     from mcore_rl import config as C
 
-    # the tile folder goes through the config: a folder without tiles is refused as in the loop
     try:
-        cfg = C.load_config(a.config, [f"model.hf_config.num_hidden_layers={a.layers}"] * bool(a.layers)
-                            + [f"rollout.moe_config_dir={a.moe_config_dir}"] * bool(a.moe_config_dir))
+        cfg = C.load_config(a.config, [f"model.hf_config.num_hidden_layers={a.layers}"] * bool(a.layers))
     except C.ConfigError as e:
         ap.error(str(e))
-    if a.moe_config_dir:  # the engines' schedulers inherit it
-        os.environ["SGLANG_MOE_CONFIG_DIR"] = os.path.abspath(a.moe_config_dir)
     hf_config = C.hf_model_dims(cfg.model)
     backend = cfg.rollout.attention_backend or "triton"
     work = tempfile.mkdtemp(prefix="fp8_check_")
     t0 = time.perf_counter()
-    if a.speed:
-        def report(rates: dict) -> dict:  # each FP8 engine against bf16, where both ran
-            bf16 = rates.get("bf16", {}).get("tokens_per_s")
-            ratios = {k: v["tokens_per_s"] / bf16 for k, v in rates.items() if bf16 and k != "bf16"}
-            write_json({"config": a.config, "hf_config": hf_config, "batch": a.batch, "prompt_len": a.prompt_len,
-                        "new_tokens": a.new_tokens, "attention_backend": backend, "moe_config_dir": a.moe_config_dir,
-                        "fp8_engine_args": fp8_args, "deep_gemm": a.deep_gemm, "kinds": list(kinds), "speed": rates,
-                        "fp8_over_bf16": ratios.get("fp8"), "over_bf16": ratios,
-                        "complete": len(rates) == len(kinds), "wall_s": round(time.perf_counter() - t0, 1)}, a.out)
-            return ratios
-
-        rates = speed(hf_config, work, backend, a.batch, a.prompt_len, a.new_tokens, kinds, fp8_args, done=report)
-        ratios = report(rates)
-        print(table(["engine", "tokens/s (median of 3)", "/ bf16"],
-                    [[k, v["tokens_per_s"], f"{ratios[k]:.3f}x" if k in ratios else "-"] for k, v in rates.items()],
-                    digits=0))
-        print(f"{hf_config['num_hidden_layers']} layers, batch {a.batch}")
-        return 0
     dirs = write_models(hf_config, work, a.seed)
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(a.prompt_len)] for _ in range(a.seqs)]

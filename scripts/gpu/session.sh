@@ -100,12 +100,12 @@ PY
         "rollout.stop_token_ids=[$STOPS]" rollout.max_response_len=512 trainer.save_freq=-1 trainer.save_last=false \
         data.task_val_size=32 trainer.partial_rollout_tokens="${SEGMENT:-64}" trainer.max_staleness="${STALENESS:-1}" \
         trainer.total_training_steps="${STEPS:-5}" "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/modes_2gpu${TAG:-}.log" | tail -40 ;;
-    fp8_speed)  # issue 28: SGLang alone on dummy weights, bf16 then FP8, at a real depth (Moonlight: 27 layers);
-      # FP8_ARGS for the FP8 engine's kernels, e.g. "--kinds fp8 --deep-gemm" or "--fp8-engine-arg moe_runner_backend=...";
-      # several FP8 engines against one bf16: "--deep-gemm --kinds bf16,fp8,fp8:moe_runner_backend=cutlass"
-      timeout "${LIMIT:-590}" python3 benchmarks/fp8_engine_check.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
-        --out "$OUT/fp8_speed_${LAYERS:-27}L${TAG:-}.json" --speed --layers "${LAYERS:-27}" --batch "${BATCH:-128}" \
-        --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} "${FP8[@]}" 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -30 ;;
+    fp8_speed)  # issue 28: SGLang alone on dummy weights with trained-like routing, bf16 then FP8, at a real depth
+      # (Moonlight: 27 layers); FP8_ARGS for the FP8 engines' kernels and the rest, e.g. "--deep-gemm --profile-steps 20
+      # --kinds bf16,fp8,fp8:moe_runner_backend=cutlass" or "--routing dummy" (the dummy load's: all tokens on 6 experts)
+      timeout "${LIMIT:-590}" python3 benchmarks/fp8_speed.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+        --out "$OUT/fp8_speed_${LAYERS:-27}L${TAG:-}.json" --layers "${LAYERS:-27}" --batch "${BATCH:-128}" \
+        --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} "${FP8[@]}" 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -40 ;;
     moe_tune)  # issue 28: SGLang's fused-MoE tiles for Moonlight's experts on this GPU, into /tmp/moe_configs
       # (then MOE_DIR=/tmp/moe_configs TAG=_tuned ... fp8_speed, or EXTRA_OVERRIDES=rollout.moe_config_dir=... loop1gpu;
       # 64 FP8 tiles and 128 bf16 ones, each compiled: DTYPES=fp8 and DTYPES=bf16 in calls of their own if one is cut;
