@@ -129,7 +129,8 @@ class RolloutConfig(Section):
         "weight_dtype=fp8 on GPUs: the engine's block-FP8 GEMMs. triton: SGLang's triton kernels, dense and fused MoE. "
         "deep_gemm: the dense GEMMs on DeepGEMM's JIT kernels (Hopper; sgl-deep-gemm installed), the fused MoE on "
         "triton. deep_gemm_moe: the MoE on DeepGEMM's grouped GEMMs too. Compiled on first use (SGLang's 10-20 min "
-        "pre-compile off). 27 Moonlight layers, batch 128, H200: 1.16x and 0.77x bf16's tokens/s (RESULTS, eleventh pass)"))
+        "pre-compile off). The whole Moonlight, 128 requests, H100: triton 1.50x bf16's tokens/s, deep_gemm 1.57x, "
+        "deep_gemm_moe 1.23x (benchmarks/RESULTS.md, twelfth pass)"))
 
 
 class MemoryConfig(Section):
