@@ -89,6 +89,14 @@ def engine(model_dir: str, attention_backend: str, **extra):
     return sglang.Engine(**adapt_args({**args, **extra}, server_arg_names()))
 
 
+def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` token ids drawn uniformly from [100, vocab_size), seeded."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
 def update_from_files(eng, model_dir: str, bucket_bytes: int = 512 << 20) -> None:
     """The loop's path into an FP8 engine: started on dummy weights, then every tensor (e4m3 weights
     and their scales) by update_weights_from_tensor, bucket by bucket, from GPU memory."""
@@ -125,8 +133,6 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"  # the loop's FP8 engines' default (rollout.fp8_kernels)
-    import random
-
     from mcore_rl import config as C
 
     try:
@@ -138,8 +144,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="fp8_check_")
     t0 = time.perf_counter()
     dirs = write_models(hf_config, work, a.seed)
-    rng = random.Random(a.seed)
-    prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(a.prompt_len)] for _ in range(a.seqs)]
+    prompts = random_prompts(hf_config["vocab_size"], a.seqs, a.prompt_len, a.seed)
     logps, seqs = {}, None
     for kind in ("bf16", "fp8", "dequantized", "fp8 synced"):
         eng = engine(dirs[kind.split()[0]], backend, **({"load_format": "dummy"} if kind == "fp8 synced" else {}))

@@ -36,7 +36,6 @@ import glob
 import gzip
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.fp8_engine_check import engine  # noqa: E402
+from benchmarks.fp8_engine_check import engine, random_prompts  # noqa: E402
 from benchmarks.harness import config_only_model, table, timed_calls, write_json  # noqa: E402
 
 PROFILE_CONTEXT = 256  # prompt tokens of the profiled batch: a mid-response KV length
@@ -134,8 +133,7 @@ def kernel_times(trace_dir: str, steps: int, top: int = 12) -> dict:
 
 
 def profile_decode(eng, hf_config: dict, batch: int, steps: int, trace_dir: str, activities=("GPU",)) -> dict:
-    rng = random.Random(2)
-    prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(PROFILE_CONTEXT)] for _ in range(batch)]
+    prompts = random_prompts(hf_config["vocab_size"], batch, PROFILE_CONTEXT, seed=2)
     eng.start_profile(output_dir=trace_dir, num_steps=steps, activities=list(activities), profile_by_stage=True,
                       with_stack=False, record_shapes=False)
     eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": steps + 4, "temperature": 1.0,
@@ -156,8 +154,7 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
 
     raw = config_only_model(hf_config, os.path.join(work, "config_only"))
     eos = [hf_config.get("eos_token_id") or 1]
-    rng = random.Random(1)
-    prompts = [[rng.randrange(100, hf_config["vocab_size"]) for _ in range(prompt_len)] for _ in range(batch)]
+    prompts = random_prompts(hf_config["vocab_size"], batch, prompt_len, seed=1)
     params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {}
