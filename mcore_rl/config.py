@@ -89,6 +89,9 @@ class RolloutConfig(Section):
     max_prompt_len: int | None = Field(None, description="defaults to data.max_prompt_length")
     max_response_len: int = Field(1024, ge=1)
     stop_token_ids: Annotated[list[int], OneOrMany] = Field(default_factory=list, description="and the tokenizer's EOS")
+    ignore_eos: bool = Field(False, description=(
+        "nothing ends a response early, neither EOS nor stop_token_ids: each runs to max_response_len "
+        "(benchmarks at a fixed length, random weights)"))
     tp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)
     mem_fraction_static: float = Field(0.7, gt=0, lt=1)
@@ -144,10 +147,11 @@ class MemoryConfig(Section):
     offload_ref: bool = Field(True, description="the frozen reference policy stays on the host between forwards (GPU)")
     grad_fp32: bool = Field(True, description="grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)")
     recompute_activations: bool = Field(False, description="shorthand for recompute: full")
-    recompute: Literal["none", "full", "selective"] = Field("none", description=(
+    recompute: Literal["none", "full", "selective", "auto"] = Field("none", description=(
         "activation recompute (megatron's; the planner counts it). full: keep each recomputed layer's input only "
         "(recompute_layers: the first N of each pipeline stage; null: all). selective: rerun recompute_modules "
-        "in backward (moe: the MoE layers' router, dispatch and experts; mlp: dense MLPs)"))
+        "in backward (moe: the MoE layers' router, dispatch and experts; mlp: dense MLPs). auto: the memory plan "
+        "picks the cheapest of none, selective, full that fits (none without a plan, on CPU)"))
     recompute_layers: int | None = Field(None, ge=1)
     recompute_modules: Annotated[list[Literal["moe", "mlp"]], OneOrMany] = Field(default_factory=lambda: ["moe"])
     optimizer_offload_fraction: float = Field(0.0, ge=0, le=1, description=(
@@ -233,7 +237,10 @@ class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(256, ge=1, description="prompts per optimizer step (times rollout.n samples)")
     micro_batch_size: int = Field(4, ge=1, description="samples per GPU per forward, when not use_dynamic_bsz")
     use_dynamic_bsz: bool = Field(False, description="pack micro-batches up to ppo_max_token_len_per_gpu tokens")
-    ppo_max_token_len_per_gpu: int = Field(16384, ge=1)
+    ppo_max_token_len_per_gpu: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(16384, description=(
+        "tokens per micro-batch with use_dynamic_bsz. auto: the memory plan picks the largest that fits, up to "
+        "16384 (with memory.recompute: auto, under the cheapest recompute that fits at least 4096; "
+        "16384 without a plan, on CPU); a set budget that cannot fit is refused, naming the largest that would"))
     tis_imp_ratio_cap: float | None = Field(None, gt=0, description=(
         "token-level TIS cap, verl's older key: algorithm.rollout_correction with rollout_is: token"))
     use_distributed_optimizer: bool = Field(True, description="shard fp32 main params and Adam moments over DP")

@@ -45,7 +45,7 @@ def recompute_choice(memory) -> tuple[str, int | None, tuple[str, ...]]:
     """(mode, layers, modules) of a MemoryConfig or its dict, recompute_activations read as full."""
     get = memory.get if isinstance(memory, dict) else functools.partial(getattr, memory)
     mode = get("recompute")
-    if mode == "none" and get("recompute_activations"):
+    if mode in ("none", "auto") and get("recompute_activations"):
         mode = "full"
     return mode, get("recompute_layers"), tuple(get("recompute_modules") or ())
 
@@ -284,9 +284,11 @@ def _check_algorithm(cfg: Config, errors: list[str]) -> None:
     seq_len = d.max_prompt_length + r.max_response_len
     for section, budget in (("actor", a.ppo_max_token_len_per_gpu),
                             ("critic", cfg.critic.ppo_max_token_len_per_gpu)):
-        if a.use_dynamic_bsz and budget is not None and budget < seq_len:
+        if a.use_dynamic_bsz and budget not in (None, "auto") and budget < seq_len:
             errors.append(f"{section}.ppo_max_token_len_per_gpu = {budget} is below one full "
                           f"sequence (max_prompt_length + max_response_len = {seq_len})")
+    if a.ppo_max_token_len_per_gpu == "auto" and not a.use_dynamic_bsz:
+        errors.append("actor.ppo_max_token_len_per_gpu: auto picks a budget for actor.use_dynamic_bsz: true only")
     _check_routing_replay(cfg, errors)
     if not d.train_files and d.task is None:
         errors.append("data: set data.train_files or data.task")

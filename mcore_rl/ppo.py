@@ -63,13 +63,15 @@ def completions_batch(source, idx: list[int], done: list, experts=None, engine_l
 
 
 def sampling_params(cfg: C.Config, source, seed: int, validation: bool = False):
-    """The rollout's SamplingParams: EOS of the prompts' tokenizer plus rollout.stop_token_ids stop a response."""
+    """The rollout's SamplingParams: EOS of the prompts' tokenizer plus rollout.stop_token_ids stop a
+    response; with rollout.ignore_eos nothing does (each runs to max_response_len)."""
     from mcore_rl.rollout.base import SamplingParams
 
     r = cfg.rollout
     return SamplingParams(n=r.val_n if validation else r.n, temperature=r.val_temperature if validation else r.temperature,
                           top_p=1.0 if validation else r.top_p, max_new_tokens=r.max_response_len,
-                          stop_token_ids=stop_ids(cfg, source.tokenizer), seed=seed if r.seeded else None)
+                          stop_token_ids=() if r.ignore_eos else stop_ids(cfg, source.tokenizer),
+                          ignore_eos=r.ignore_eos, seed=seed if r.seeded else None)
 
 
 def stop_ids(cfg: C.Config, tokenizer) -> tuple[int, ...]:

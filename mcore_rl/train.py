@@ -25,18 +25,29 @@ from mcore_rl.run_checkpoints import Checkpointer
 from mcore_rl.parallel import rendezvous_on
 
 def prepare_model(cfg: C.Config, run_dir: str) -> str:
-    """An HF directory for the policy: the given one, or the embedded tiny config, initialised once."""
+    """An HF directory for the policy: the given one, or the embedded config's, written once. The
+    latter holds the config only: the trainer starts from megatron's seeded init, built on its
+    device, and the engines build theirs without reading weights (a dummy load) and get the
+    trainer's from the first sync. (A whole random model built on the host, as transformers'
+    from_config does, took 2.5 minutes and 63 GB at Moonlight's size, for weights no one read.)"""
     if cfg.model.hf_path:
         return cfg.model.hf_path
     hf_dir = os.path.join(run_dir, "init_hf")
     if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        import shutil
+
         import transformers
 
-        torch.manual_seed(cfg.trainer.seed)
         hcfg = transformers.AutoConfig.for_model(**cfg.model.hf_config)
-        model = transformers.AutoModelForCausalLM.from_config(hcfg)
-        transformers.utils.logging.disable_progress_bar()  # a one-shard model: a bar says nothing
-        model.save_pretrained(hf_dir + ".tmp")
+        # what save_pretrained of the model would record: the engines pick their model class by it
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        from mcore_rl.rollout.model_files import DTYPE_NAMES
+
+        hcfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hcfg.model_type]]
+        hcfg.dtype = getattr(torch, DTYPE_NAMES[cfg.model.dtype])  # the weights' dtype, as the run has them
+        shutil.rmtree(hf_dir + ".tmp", ignore_errors=True)
+        hcfg.save_pretrained(hf_dir + ".tmp")
         os.replace(hf_dir + ".tmp", hf_dir)
     return hf_dir
 
@@ -54,7 +65,8 @@ def trainer_placement(cfg: C.Config):
 class ActorGroup:
     """N Megatron actors on a Ray placement group; calls fan out and the results are gathered."""
 
-    def __init__(self, cfg: C.Config, hf_dir: str, init: dict | None = None, pg=None):
+    def __init__(self, cfg: C.Config, hf_dir: str, init: dict | None = None, pg=None, start=None):
+        """start: a console.StartConsole that times the build and the load (as start-up phases)."""
         import ray
 
         from mcore_rl.actor import MegatronActor
@@ -72,12 +84,19 @@ class ActorGroup:
         share = 1 if cfg.rollout.engine == "embedded" or not cfg.cluster.colocate else TRAINER_GPU_SHARE
         remote = ray.remote(num_cpus=1, num_gpus=0 if cpu else share)(MegatronActor)
         d = C.to_dict(cfg)
-        self.actors = [remote.options(scheduling_strategy=on(i)).remote(i, n, port, hf_dir, d, addr, init)
-                       for i in range(n)]
         self.ray = ray
-        nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-                         for a in self.actors])
+        phase = start.phase if start is not None else lambda name: contextlib.nullcontext()
+        with phase(f"building the trainer's model ({n} ranks)"):
+            self.actors = [remote.options(scheduling_strategy=on(i)).remote(i, n, port, hf_dir, d, addr,
+                                                                             build_only=True)
+                           for i in range(n)]
+            nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                             for a in self.actors])
         print(f"{n} actor ranks on {len(set(nodes))} node(s); rendezvous {addr}:{port}", flush=True)
+        loads = "loading the initial weights and making the optimizer" if (init or {}).get("policy") \
+            else "making the optimizer"
+        with phase(loads):
+            self.call("load_initial", init)
 
     def call(self, method: str, *args):
         """Run `method` on every rank; return the non-None results in rank order."""
@@ -212,9 +231,10 @@ def validate(cfg, engine, source) -> dict:
     return {"val/reward": torch.cat(scores).mean().item()}
 
 
-def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
+def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str, start=None) -> dict:
     """torch_dist copies of the HF weights the policy (and a critic from another model) start
-    from, converted once per run; none for an embedded config (megatron's seeded init)."""
+    from, converted once per run; none for an embedded config (megatron's seeded init). start: a
+    console.StartConsole that shows each conversion as a start-up phase."""
     if not cfg.model.hf_path:
         return {}
     from converters.convert import hf_to_mcore
@@ -222,7 +242,8 @@ def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
     def converted(src: str, name: str) -> str:
         out = os.path.join(run_dir, "init_mcore", name)
         if not os.path.exists(os.path.join(out, "metadata.json")):
-            hf_to_mcore(src, out, dtype=cfg.model.dtype)
+            with start.phase(f"converting {src} to torch_dist") if start else contextlib.nullcontext():
+                hf_to_mcore(src, out, dtype=cfg.model.dtype)
         return out
 
     init = {"policy": converted(hf_dir, "policy")}
@@ -234,12 +255,15 @@ def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
 
 def memory_plan(cfg: C.Config):
     """The memory plan of a GPU run (None on CPU), made before anything takes GPU memory, so that
-    its capacity is the GPUs' free memory; a plan that cannot fit raises PlanError here."""
-    if cfg.cluster.device != "gpu":
-        return None
-    from mcore_rl.plan import plan_for_config
+    its capacity is the GPUs' free memory; a plan that cannot fit raises PlanError here. The
+    config's "auto" budget and recompute become the plan's picks (on CPU, their defaults)."""
+    from mcore_rl.plan import apply_choice, plan_for_config, settle_without_plan
 
+    if cfg.cluster.device != "gpu":
+        settle_without_plan(cfg)
+        return None
     plan, source = plan_for_config(cfg)
+    apply_choice(cfg, plan)  # the micro-batch budget and recompute the plan picked, where the config says auto
     print(f"memory plan per GPU (capacity from {source}):\n{plan.table()}", flush=True)
     return plan
 
@@ -281,19 +305,24 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
     run_dir = os.path.abspath(t.output_dir)
     ckpt_root = os.path.join(run_dir, "checkpoints")
     plan = memory_plan(cfg)
-    _start_ray(cfg)
-    pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
+    from mcore_rl.console import StartConsole
+
+    start_console = StartConsole()  # a line per start-up phase, with its seconds
+    with start_console.phase("starting Ray, placing the trainer"):
+        _start_ray(cfg)
+        pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
     os.makedirs(run_dir, exist_ok=True)
     hf_dir = prepare_model(cfg, run_dir)
-    init = initial_checkpoints(cfg, hf_dir, run_dir)
-    group = ActorGroup(cfg, hf_dir, init, pg)
+    init = initial_checkpoints(cfg, hf_dir, run_dir, start_console)
+    group = ActorGroup(cfg, hf_dir, init, pg, start_console)
     ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)
     engine = rollout = sync = phases = None
     try:
         start, state, resumed = 0, {}, run_ckpt.latest(ckpt_root) if t.resume == "auto" else None
         if resumed:
             start = resumed[0]
-            _load(group, resumed[1])
+            with start_console.phase(f"loading checkpoint step_{start}"):
+                _load(group, resumed[1])
             state = run_ckpt.read_state(resumed[1])
             print(f"resumed from {resumed[1]} (step {start})", flush=True)
         ckpt.clear_after(start)
@@ -306,14 +335,17 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
             engine = RolloutReplay(replay)
         else:
             if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
-                group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
-            engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
-                                  train_task.tokenizer.pad_token_id or 0, plan)
+                with start_console.phase("offloading the trainer's states"):
+                    group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
+            with start_console.phase(f"starting the {cfg.rollout.engine} engines"):
+                engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
+                                      train_task.tokenizer.pad_token_id or 0, plan)
         if correction_line(cfg):
             print(correction_line(cfg), flush=True)
         first = {}
-        if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
-            first = sync(start)
+        if sync is not None:  # the engine starts without the trainer's weights: give it them
+            with start_console.phase("first weight sync"):
+                first = sync(start)
             print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in first.items()}), flush=True)
         rollout = engine
         if t.mode != "sync" and not replay:  # generation runs ahead of training (mcore_rl/async_loop.py)
@@ -323,6 +355,7 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
                                       total_steps(cfg, train_task, engine), start)
             sync = rollout.sync
         phases = Phases(cfg, group, engine, sync, plan)
+        start_console.done(f"ready for step {start + 1}")
         with _torch_threads(1):
             return _loop(cfg, group, rollout, phases, train_task, val_task, run_dir, ckpt, start, state, first)
     finally:

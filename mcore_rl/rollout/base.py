@@ -30,6 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (it is kept)
+    ignore_eos: bool = False  # nor does the engine's own EOS (its config's) end it: max_new_tokens each
     seed: int | None = 0  # completion k of the batch samples with seed + k (reproducible); None: engine's RNG
 
     def __post_init__(self):

@@ -53,6 +53,8 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, mem_fraction: float) 
                 seed=cfg.trainer.seed, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                 worker_extension_cls=WORKER_EXTENSION,
                 distributed_executor_backend="mp")  # its own worker processes: inside a Ray actor it would pick Ray
+    if not model_files.has_weights(model_dir):  # an embedded config's: the first sync brings the weights
+        args["load_format"] = "dummy"
     if cfg.cluster.device == "cpu":
         from mcore_rl.memory.planner import kv_bytes_per_token
         from mcore_rl.models.config import HFModel
