@@ -149,6 +149,41 @@ def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: st
     return out
 
 
+def random_hf(hf_config: str, out: str, dtype: str = "bf16", seed: int = 0,
+              max_shard_bytes: int = 5 * 2**30) -> str:
+    """An HF checkpoint of random weights for `hf_config`'s config.json, at its full size, written a
+    tensor at a time (host memory: one shard): a start from an HF checkpoint, measured without
+    downloading one. Matrices are N(0, initializer_range), norms ones, other vectors zeros (the
+    expert bias, fp32 as transformers keeps it). Each tensor is drawn from a generator seeded by
+    `seed` and its name: the same files whatever the order or sharding."""
+    import zlib
+
+    from converters.hf_io import ShardedWriter
+    from mcore_rl.memory.layout import inventory
+
+    hf = _checked_model(hf_config)
+    cast, std = DTYPES[dtype], float(hf.get("initializer_range", 0.02))
+    weights = inventory(hf)
+    total = sum(math.prod(shape) for w in weights for _, shape in w.hf)
+    with atomic_dir(out) as tmp, _bar(total, "random hf", unit=" params") as bar:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for w in weights:
+            for name, shape in w.hf:
+                if w.split == "buffer":
+                    t = torch.zeros(shape, dtype=torch.float32)
+                elif len(shape) == 1:
+                    t = (torch.ones if "norm" in name else torch.zeros)(shape, dtype=cast)
+                else:
+                    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                    t = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g).to(cast)
+                writer.add(name, t)
+                bar.update(t.numel())
+        writer.close()
+        copy_side_files(hf_config, tmp)
+        _write_config(hf, tmp, cast)
+    return out
+
+
 def read_meta(ckpt_dir: str) -> dict:
     with open(os.path.join(ckpt_dir, MCORE_RL_META)) as f:
         return json.load(f)

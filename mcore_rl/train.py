@@ -312,7 +312,9 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
         _start_ray(cfg)
         pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
     os.makedirs(run_dir, exist_ok=True)
-    hf_dir = prepare_model(cfg, run_dir)
+    written = contextlib.nullcontext() if cfg.model.hf_path else start_console.phase("writing the model's config")
+    with written:
+        hf_dir = prepare_model(cfg, run_dir)
     init = initial_checkpoints(cfg, hf_dir, run_dir, start_console)
     group = ActorGroup(cfg, hf_dir, init, pg, start_console)
     ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)

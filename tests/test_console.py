@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from mcore_rl import config as C
-from mcore_rl.console import StepConsole, clock
+from mcore_rl.console import StartConsole, StepConsole, clock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,6 +43,34 @@ def test_a_terminal_gets_a_progress_bar_on_its_last_line():
     text = out.getvalue()
     assert text.count("/4 | reward") == 2 and "step 3/4" in text and "step 4/4" in text
     assert text.rstrip().endswith("100%") and "\r\x1b[K" in text  # the bar is replaced, not stacked
+
+
+def test_start_up_phases_one_line_each_with_seconds_and_a_line_while_a_long_one_runs():
+    import re
+    import time
+
+    out = io.StringIO()
+    c = StartConsole(stream=out, still_running_s=0.05)
+    with c.phase("building the trainer's model"):
+        pass
+    with c.phase("starting the sglang engines"):
+        time.sleep(0.3)  # longer than still_running_s: says it is running
+    with pytest.raises(RuntimeError), c.phase("first weight sync"):
+        raise RuntimeError("engine gone")
+    c.done()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "start: building the trainer's model 0.0 s"
+    assert lines[1] == "start: starting the sglang engines ..."
+    assert re.fullmatch(r"start: starting the sglang engines 0\.[3-9] s", lines[2]), lines
+    assert re.fullmatch(r"start: first weight sync failed after 0\.\d s", lines[3]), lines
+    assert re.fullmatch(r"start: ready for step 1 after 0\.\d s", lines[4]) and len(lines) == 5, lines
+    assert set(c.seconds) == {"building the trainer's model", "starting the sglang engines", "first weight sync"}
+    # on a terminal the running line is replaced by the phase's own
+    tty = _Tty()
+    c = StartConsole(stream=tty, still_running_s=0.05)
+    with c.phase("compiling"):
+        time.sleep(0.3)
+    assert tty.getvalue().startswith("start: compiling ...\r\x1b[Kstart: compiling 0.")
 
 
 def test_clock():
