@@ -50,27 +50,32 @@ def test_start_up_phases_one_line_each_with_seconds_and_a_line_while_a_long_one_
     import time
 
     out = io.StringIO()
-    c = StartConsole(stream=out, still_running_s=0.05)
+    c = StartConsole(stream=out, still_running_s=60)  # no phase here runs that long
     with c.phase("building the trainer's model"):
         pass
-    with c.phase("starting the sglang engines"):
-        time.sleep(0.3)  # longer than still_running_s: says it is running
     with pytest.raises(RuntimeError), c.phase("first weight sync"):
         raise RuntimeError("engine gone")
     c.done()
     lines = out.getvalue().splitlines()
-    assert lines[0] == "start: building the trainer's model 0.0 s"
-    assert lines[1] == "start: starting the sglang engines ..."
-    assert re.fullmatch(r"start: starting the sglang engines 0\.[3-9] s", lines[2]), lines
-    assert re.fullmatch(r"start: first weight sync failed after 0\.\d s", lines[3]), lines
-    assert re.fullmatch(r"start: ready for step 1 after 0\.\d s", lines[4]) and len(lines) == 5, lines
-    assert set(c.seconds) == {"building the trainer's model", "starting the sglang engines", "first weight sync"}
+    assert re.fullmatch(r"start: building the trainer's model \d+\.\d s", lines[0]), lines
+    assert re.fullmatch(r"start: first weight sync failed after \d+\.\d s", lines[1]), lines
+    assert re.fullmatch(r"start: ready for step 1 after \d+\.\d s", lines[2]) and len(lines) == 3, lines
+    assert set(c.seconds) == {"building the trainer's model", "first weight sync"}
+    # a phase running longer than still_running_s says so first; its line then gives the seconds
+    out = io.StringIO()
+    c = StartConsole(stream=out, still_running_s=0.01)
+    with c.phase("starting the sglang engines"):
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "start: starting the sglang engines ..." and len(lines) == 2, lines
+    assert re.fullmatch(r"start: starting the sglang engines \d+\.\d s", lines[1]) and c.seconds[
+        "starting the sglang engines"] >= 0.3, lines
     # on a terminal the running line is replaced by the phase's own
     tty = _Tty()
-    c = StartConsole(stream=tty, still_running_s=0.05)
+    c = StartConsole(stream=tty, still_running_s=0.01)
     with c.phase("compiling"):
         time.sleep(0.3)
-    assert tty.getvalue().startswith("start: compiling ...\r\x1b[Kstart: compiling 0.")
+    assert tty.getvalue().startswith("start: compiling ...\r\x1b[Kstart: compiling ")
 
 
 def test_clock():

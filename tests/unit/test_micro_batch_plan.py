@@ -14,7 +14,7 @@ from mcore_rl.memory.planner import BUDGET_STEP, GiB, PlanError, PlanInputs, mak
 from mcore_rl.models.config import HFModel
 from mcore_rl.plan import apply_choice, plan_for_config, settle_without_plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOONLIGHT_2GPU = os.path.join(ROOT, "configs", "moonlight_2gpu.yaml")  # budget and recompute: auto
 WHOLE_ON_4 = ("model.hf_config.num_hidden_layers=27", "cluster.n_gpus_per_node=4", "parallel.ep=4",
               "rollout.tp_size=1", "cluster.host_memory_gb=480", "rollout.max_response_len=256")
