@@ -41,9 +41,10 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
         name = "actor.ppo_max_token_len_per_gpu"
     else:  # whole sequences: micro_batch_size of them
         budget, name = a.micro_batch_size * seq, None
+    host = HostInputs.from_config(cfg)
     inputs, line = pick_micro_batch(hf, lambda t, m: PlanInputs.from_config(cfg, capacity, budget=t, recompute=m),
-                                    budget=budget, modes=modes, min_budget=seq, name=name)
-    plan = make_plan(hf, inputs, HostInputs.from_config(cfg))
+                                    budget=budget, modes=modes, min_budget=seq, name=name, host=host)
+    plan = make_plan(hf, inputs, host)
     plan.notes.insert(0, line)
     return plan, source
 

@@ -444,8 +444,8 @@ RECOMPUTE_BY_COST = ("none", "selective", "full")  # what each adds to an update
 
 
 def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budget: int | None,
-                     modes: tuple[str, ...], min_budget: int, name: str | None = "actor.ppo_max_token_len_per_gpu"
-                     ) -> tuple[PlanInputs, str]:
+                     modes: tuple[str, ...], min_budget: int, name: str | None = "actor.ppo_max_token_len_per_gpu",
+                     host: HostInputs | None = None) -> tuple[PlanInputs, str]:
     """The plan inputs (`at(tokens, recompute mode)`) of the micro-batch token budget and recompute
     mode to run with, and a line saying which and whether picked.
 
@@ -453,8 +453,9 @@ def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budge
     max(min_budget, AUTO_BUDGET_FLOOR) fits, with the largest budget up to max(AUTO_BUDGET_MAX,
     min_budget) that fits under it (a multiple of BUDGET_STEP, or min_budget: one sequence); else the
     mode fitting the largest. A given budget runs under the first of `modes` it fits in; one that fits
-    in none is refused, the error naming (as `name`) the largest budget that fits. Only the train phase
-    depends on these: a refusal of another phase is raised as it is."""
+    in none is refused, the error naming (as `name`) the largest budget that fits (its plan carries
+    the host side too, given `host`). Only the train phase depends on these: a refusal of another
+    phase is raised as it is."""
     def fits(tokens: int, mode: str) -> bool:
         try:
             make_plan(hf, at(tokens, mode))
@@ -487,7 +488,7 @@ def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budge
         best = max(((largest(m, budget), m) for m in modes), key=lambda lm: lm[0] or 0)
         hint = (f"the largest that fits is {best[0]} (memory.recompute: {best[1]})" if best[0]
                 else f"not even one sequence ({min_budget} tokens) fits")
-        _refuse(hf, at(budget, modes[-1]), f"{name}={budget} cannot fit; {hint}" if name else "")
+        _refuse(hf, at(budget, modes[-1]), host, f"{name}={budget} cannot fit; {hint}" if name else "")
     floor, best = min(cap, max(min_budget, AUTO_BUDGET_FLOOR)), (None, modes[0])
     for mode in modes:
         tokens = largest(mode, cap)
@@ -496,15 +497,15 @@ def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budge
         if (tokens or 0) > (best[0] or 0):
             best = (tokens, mode)
     if best[0] is None:
-        _refuse(hf, at(min_budget, modes[-1]), f"no micro-batch of one sequence ({min_budget} tokens) fits, "
+        _refuse(hf, at(min_budget, modes[-1]), host, f"no micro-batch of one sequence ({min_budget} tokens) fits, "
                                                f"even with recompute {modes[-1]}")
     return at(*best), line(*best)
 
 
-def _refuse(hf: HFModel, i: PlanInputs, hint: str) -> None:
+def _refuse(hf: HFModel, i: PlanInputs, host: HostInputs | None, hint: str) -> None:
     """make_plan's refusal of `i`, its reason followed by `hint`."""
     try:
-        make_plan(hf, i)
+        make_plan(hf, i, host)
     except PlanError as e:
         raise PlanError(e.phase, e.shortfall, e.plan, "; ".join(x for x in (e.why, hint) if x)) from None
     raise AssertionError("a plan refused before fits now")  # pragma: no cover
