@@ -3,7 +3,8 @@ then the same engine alone on the same GPUs generating the same batch shape.
 
     python benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml [key=value ...] --out r.json
 
-Reports, per step (medians over steps 2..N; step 1 warms up): each phase's seconds (rollout;
+Reports the start-up (each phase's seconds as the console's `start:` lines give them, the seconds to
+step 1 and step 1's own) and, per step (medians over steps 2..N; step 1 warms up): each phase's seconds (rollout;
 release + trainer onload; old log-probs; update; trainer offload + resume weights + sync + resume
 KV), SGLang's generation tokens/s in the loop and alone, the sync's seconds and GB/s (bytes the
 trainer sent, over the sync's wall time), the update's TFLOP/s per GPU (6 x active parameters +
@@ -86,9 +87,11 @@ def active_params(hf) -> float:
     return dense + (routed * hf.get("num_experts_per_tok") / hf.num_experts if hf.num_experts else 0)
 
 
-def run_loop(config: str, overrides: list[str], out: str) -> tuple[dict[int, dict], dict]:
-    """The loop's metrics by step, and its whole-run peaks (GPU; host RSS of the loop's process tree,
-    which on a local Ray run holds the raylet, actors and engines)."""
+def run_loop(config: str, overrides: list[str], out: str) -> tuple[dict[int, dict], dict, dict]:
+    """The loop's metrics by step, its whole-run peaks (GPU; host RSS of the loop's process tree,
+    which on a local Ray run holds the raylet, actors and engines) and its start-up (each phase's
+    seconds and the seconds to step 1, `console.start_record`)."""
+    from mcore_rl.console import start_record
     from mcore_rl.memory.monitor import PhaseMonitor
 
     cmd = [sys.executable, "-m", "mcore_rl.train", "--config", config, f"trainer.output_dir={out}",
@@ -96,14 +99,16 @@ def run_loop(config: str, overrides: list[str], out: str) -> tuple[dict[int, dic
     with PhaseMonitor(interval_s=0.2) as mon, mon.phase("run"):
         p = subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         mon.watch(p.pid)
-        tail = collections.deque(maxlen=60)
+        tail, start = collections.deque(maxlen=60), []
         for line in p.stdout:  # passed on as it comes: a run cut by a time limit still shows how far it got
             sys.stdout.write(line)
             tail.append(line)
+            if line.startswith("start: "):
+                start.append(line)
         p.wait()
     if p.returncode:
         sys.exit("the RL loop failed:\n" + "".join(tail)[-4000:])
-    return records_by_step(os.path.join(out, "metrics.jsonl")), mon.take()
+    return records_by_step(os.path.join(out, "metrics.jsonl")), mon.take(), start_record(start)
 
 
 def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int, repeats: int = 3) -> float:
@@ -165,7 +170,7 @@ def compare_modes(config: str, overrides: list[str], modes: list[str], out: str)
         args = [*MODE_ARGS[mode], *overrides]
         cfg = C.load_config(config, args)
         run_dir = os.path.join(work, f"{len(rows)}_{mode}")
-        steps, _ = run_loop(config, args, run_dir)
+        steps, _, _ = run_loop(config, args, run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoints: the next mode needs the disk
         by_step = {k: s for k, s in sorted(steps.items()) if k >= 1 and "reward/mean" in s}
         trained = list(by_step.values())
@@ -223,7 +228,7 @@ def main() -> int:
     hf = HFModel.from_dict(C.hf_model_dims(cfg.model))
     work = tempfile.mkdtemp(prefix="rl_loop_bench_")
     t0 = time.perf_counter()
-    steps, run_peaks = run_loop(a.config, a.overrides, os.path.join(work, "run"))
+    steps, run_peaks, start = run_loop(a.config, a.overrides, os.path.join(work, "run"))
     wall = time.perf_counter() - t0
     timed = [s for k, s in sorted(steps.items()) if k >= 2 and "reward/mean" in s]
     med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
@@ -248,9 +253,11 @@ def main() -> int:
             planned = {ph: round(plan.total(ph) / 2**30, 2) for ph in plan.phases}
             planned["components"] = {ph: {c: round(b / 2**30, 3) for c, b in comps.items()}
                                      for ph, comps in plan.phases.items()}
+            planned["micro_batch"] = {"tokens": plan.inputs.micro_tokens, "recompute": plan.inputs.recompute}
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             planned = {"error": str(e)}
     result = dict(config=a.config, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),
+                  start=start, first_step_s=steps.get(1, {}).get("timing/step"),
                   phases_s={k: med(k) for k in PHASES}, step_s=med("timing/step"),
                   rollout_tokens_per_s=med("perf/rollout_tokens_per_s"), engine_alone_tokens_per_s=alone,
                   response_length=med("response/length"), sync_s=sync_s, sync_bytes=sync_b,

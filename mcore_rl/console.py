@@ -19,6 +19,7 @@ kept on the last line and replaced by the phase's line when it ends).
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import threading
 import time
@@ -84,6 +85,8 @@ class StepConsole:
 
 
 START_PREFIX = "start: "
+_START_DONE = re.compile(r"^start: (.+?) (failed after )?(\d+\.\d) s$")
+_START_READY = re.compile(r"^start: ready for step (\d+) after (\d+\.\d) s$")
 STILL_RUNNING_S = 5.0  # a phase still running after this long says so (a compile, a slow load)
 
 
@@ -127,3 +130,19 @@ class StartConsole:
             self.stream.write(text + end)
             self.stream.flush()
         return True
+
+
+def start_record(lines) -> dict:
+    """A run's start-up as its console printed it (StartConsole's lines among any others):
+    {"phases": [[name, seconds], ...] in the order they ended, "failed": the phase that failed or
+    None, "ready_for_step": n, "ready_s": seconds from the first phase to then} (the last two None
+    when the run never got there)."""
+    out = {"phases": [], "failed": None, "ready_for_step": None, "ready_s": None}
+    for line in lines:
+        line = line.rstrip("\n")
+        if m := _START_READY.match(line):
+            out["ready_for_step"], out["ready_s"] = int(m[1]), float(m[2])
+        elif m := _START_DONE.match(line):
+            out["phases"].append([m[1], float(m[3])])
+            out["failed"] = m[1] if m[2] else out["failed"]
+    return out

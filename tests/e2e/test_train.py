@@ -75,13 +75,13 @@ START_PHASES = ("starting Ray, placing the trainer", "writing the model's config
 def _check_start(log: str, phases: tuple[str, ...], first_step: int) -> None:
     """The start-up's progress: one line per phase with its seconds, in the order they ran (a phase
     still running after 5 s also said so before), then the seconds to the first step."""
-    done = [(m[1], float(m[2])) for m in re.finditer(r"^start: (.+?) (\d+\.\d) s$", log, re.M)
-            if not m[1].startswith("ready for step")]
-    assert [name for name, _ in done] == list(phases), log
+    from mcore_rl.console import start_record
+
+    rec = start_record(log.splitlines())
+    assert [name for name, _ in rec["phases"]] == list(phases) and rec["failed"] is None, log
     running = re.findall(r"^start: (.+) \.\.\.$", log, re.M)
     assert set(running) <= set(phases) and len(running) == len(set(running)), log
-    ready = re.findall(rf"^start: ready for step {first_step} after (\d+\.\d) s$", log, re.M)
-    assert len(ready) == 1 and float(ready[0]) >= sum(s for _, s in done) - 0.5, log
+    assert rec["ready_for_step"] == first_step and rec["ready_s"] >= sum(s for _, s in rec["phases"]) - 0.5, log
     first_line = next(i for i, ln in enumerate(log.splitlines()) if ln.startswith("step "))
     assert all(not ln.startswith("start: ") for ln in log.splitlines()[first_line:]), log
 

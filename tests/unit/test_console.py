@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from mcore_rl import config as C
-from mcore_rl.console import StartConsole, StepConsole, clock
+from mcore_rl.console import StartConsole, StepConsole, clock, start_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,6 +61,9 @@ def test_start_up_phases_one_line_each_with_seconds_and_a_line_while_a_long_one_
     assert re.fullmatch(r"start: first weight sync failed after \d+\.\d s", lines[1]), lines
     assert re.fullmatch(r"start: ready for step 1 after \d+\.\d s", lines[2]) and len(lines) == 3, lines
     assert set(c.seconds) == {"building the trainer's model", "first weight sync"}
+    rec = start_record(["(MegatronActor pid=1) something else\n", *lines])  # as benchmarks read a run's output
+    assert [n for n, _ in rec["phases"]] == ["building the trainer's model", "first weight sync"]
+    assert rec["failed"] == "first weight sync" and rec["ready_for_step"] == 1 and rec["ready_s"] >= 0
     # a phase running longer than still_running_s says so first; its line then gives the seconds
     out = io.StringIO()
     c = StartConsole(stream=out, still_running_s=0.01)
