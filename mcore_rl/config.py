@@ -368,6 +368,9 @@ def _type_name(tp) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in args)
+    if origin is Annotated:  # a bounded arm of a union (int >= 1 or 'auto')
+        bounds = " ".join(filter(None, (_range(m) for m in args[1:] if hasattr(m, "metadata"))))
+        return " ".join(filter(None, (_type_name(args[0]), bounds)))
     if origin is not None:
         return str(tp).replace("typing.", "")
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
@@ -405,6 +408,8 @@ def _message(error: dict) -> str:
         prefix = f"{path}." if path else ""
         key = prefix + str(error["loc"][-1])
         return f"unknown key {key!r}" + _suggest(key, [prefix + n for n in tp.model_fields])
+    if error["type"].startswith(("greater_than", "less_than")) and not _range(field):  # a bounded union arm's
+        return f"{path}: expected {_type_name(field.annotation)}, got {type(value).__name__} {value!r}"
     if error["type"].startswith(("greater_than", "less_than")):
         nullable = type(None) in typing.get_args(field.annotation)
         return f"{path} must be {_range(field)}{' or null' if nullable else ''}, got {value}"

@@ -131,6 +131,8 @@ CASES = [
          "{d}/nope: no such directory (model.tokenizer_path)"),
     Case("plan without the model's shapes", ("plan",),
          ("model.hf_config=null", "model.hf_path={d}/nope", "memory.gpu_memory_gb=80"), "needs the model's shapes"),
+    Case("budget neither a count nor auto", CONFIG, ("actor.ppo_max_token_len_per_gpu=0",),
+         "actor.ppo_max_token_len_per_gpu: expected int >= 1 or one of 'auto', got int 0"),
     Case("auto budget without dynamic batching", CONFIG, ("actor.ppo_max_token_len_per_gpu=auto",),
          "actor.ppo_max_token_len_per_gpu: auto picks a budget for actor.use_dynamic_bsz: true only"),
     # converters and merge
