@@ -41,6 +41,30 @@ def _wait(refs: list, what: str, names: list[str], timeout_s: float) -> list:
     return out
 
 
+def _wait_started(refs: list, names: list[str], logs: list[str | None], timeout_s: float) -> list:
+    """`_wait` for the engines' start-up that says, every PROGRESS_S seconds, which are still starting,
+    for how long, and what they are doing (`engine_start.latest_phase` of their logs); an engine that
+    fails is reported as soon as it does, not after the slowest one has started."""
+    import ray
+
+    from mcore_rl.rollout.engine_start import PROGRESS_S, latest_phase
+
+    t0 = time.monotonic()
+    pending = list(range(len(refs)))
+    while pending and (left := timeout_s - (time.monotonic() - t0)) > 0:
+        ready, _ = ray.wait([refs[i] for i in pending], num_returns=len(pending), timeout=min(PROGRESS_S, left))
+        done = [i for i in pending if refs[i] in set(ready)]
+        _wait([refs[i] for i in done], "start-up", [names[i] for i in done], timeout_s)  # raises if one failed
+        pending = [i for i in pending if i not in done]
+        for i in pending if time.monotonic() - t0 < timeout_s else ():
+            phase = latest_phase(logs[i])
+            print(f"{names[i]}: starting ({time.monotonic() - t0:.0f} s){': ' + phase if phase else ''}", flush=True)
+    out = _wait(refs, "start-up", names, max(0.0, timeout_s - (time.monotonic() - t0)))
+    if time.monotonic() - t0 >= PROGRESS_S:  # the lines above said they were starting: say they are up
+        print(f"{len(refs)} engine node(s) started in {time.monotonic() - t0:.0f} s", flush=True)
+    return out
+
+
 @dataclass
 class EngineTarget:
     """The engines as the weight sync drives them, from trainer rank 0 (picklable: Ray handles).
@@ -127,8 +151,9 @@ class EngineGroup:
             log = {LOG_ENV: log_file(log_dir, s.engine, s.node_rank)} if log_dir else {}
             self.actors.append(remote.options(**opts).remote(args_of(s), device, s.gpus, {**(env or {}), **log}))
         self.names = [f"{label} engine {s.engine} node {s.node_rank}" for s in slots]
+        logs = [log_file(log_dir, s.engine, s.node_rank) if log_dir else None for s in slots]
         try:  # constructing the engine happens in __init__; health() waits for it
-            self.info = _wait([a.health.remote() for a in self.actors], "start-up", self.names, start_timeout_s)
+            self.info = _wait_started([a.health.remote() for a in self.actors], self.names, logs, start_timeout_s)
         except EngineError as e:
             self.shutdown()
             if log_dir:  # what the engine said is in its log, not on the console
