@@ -13,6 +13,7 @@ needs the stand-ins of mcore_rl.rollout.sglang_cpu) and nothing is started.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import subprocess
@@ -60,8 +61,10 @@ def warn_overridden(user: dict, ours: dict, engine: str) -> None:
               "the engine_kwargs value is ignored", file=sys.stderr, flush=True)
 
 
-def known_args(engine: str, device: str, timeout_s: float = 300.0) -> tuple[str, set[str]]:
-    """(version, argument names) of the installed engine, read from its argument class in a subprocess."""
+@functools.lru_cache(maxsize=None)
+def known_args(engine: str, device: str, timeout_s: float = 300.0) -> tuple[str, frozenset[str]]:
+    """(version, argument names) of the installed engine, read from its argument class in a subprocess
+    (once per process)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     p = subprocess.run([sys.executable, "-c", _LIST_ARGS, engine, device], capture_output=True, text=True,
                        timeout=timeout_s, env=env, cwd=REPO)
@@ -70,7 +73,7 @@ def known_args(engine: str, device: str, timeout_s: float = 300.0) -> tuple[str,
         tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
         raise BadInput(f"rollout.engine_kwargs: cannot read {ENGINE_NAMES[engine]} here to check the keys ({tail})")
     got = json.loads(line.split(" ", 1)[1])
-    return got["version"], set(got["names"])
+    return got["version"], frozenset(got["names"])
 
 
 def check_known(engine: str, user: dict, device: str) -> None:

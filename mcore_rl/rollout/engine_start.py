@@ -5,8 +5,10 @@ compiled on first use: flashinfer's TRT-LLM all-reduce fusion sat in nvcc for mi
 its own output goes to its log file (`engine_logs`). The engine actor marks its phases in that log
 (`mark`), and a thread (`CompileWatch`) names each compiler the engine's processes run (nvcc, ptxas,
 ninja: what they build); the driver, waiting, reads the newest phase from the log (`latest_phase`,
-SGLang's and vLLM's own start-up lines too where their log level shows them) and prints a line per
-engine node every `PROGRESS_S` seconds. A node whose log is on another machine shows its seconds only.
+SGLang's and vLLM's own start-up lines too where their log level shows them) and prints which engine
+nodes are starting, for how long and doing what: from PROGRESS_S seconds on, when a phase changes and
+otherwise every HEARTBEAT_S (mcore_rl.rollout.group). A node whose log is on another machine shows its
+seconds only.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import threading
 import time
 
 MARK = "[mcore_rl] engine start:"
-PROGRESS_S = 10.0  # seconds between the driver's lines for an engine still starting
+PROGRESS_S = 10.0  # the driver's first line for engines still starting, and the least time between two
+HEARTBEAT_S = 60.0  # between two lines while no engine's phase changes
+POLL_S = 5.0  # how often the driver looks
 COMPILERS = ("nvcc", "cicc", "ptxas", "ninja", "nvlink", "fatbinary", "cudafe++", "cc1plus")
 TAIL_BYTES = 1 << 16
 # lines of the engines' own logs (info level) -> the phase they begin

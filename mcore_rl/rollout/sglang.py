@@ -270,7 +270,8 @@ class SGLangServer:
         self.nccl_port = engine_args.get("nccl_port")
         engine_args = adapt_args(engine_args, known)
         t0 = time.perf_counter()
-        engine_start.mark(f"starting SGLang {self.version} (weights, KV cache, CUDA graphs)")
+        engine_start.mark(f"starting SGLang {self.version}'s engine: model, KV cache"
+                          + (", CUDA graphs" if device == "gpu" else ""))
         with children_skip_main(), engine_start.CompileWatch():
             self.engine = sglang.Engine(**engine_args)
         engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")

@@ -137,7 +137,8 @@ class VLLMServer:
 
         self.version, self.device = vllm.__version__, device
         t0 = time.perf_counter()
-        engine_start.mark(f"starting vLLM {self.version} (weights, KV cache, compile, CUDA graphs)")
+        engine_start.mark(f"starting vLLM {self.version}'s engine: model, KV cache"
+                          + (", compile, CUDA graphs" if device == "gpu" else ""))
         with children_skip_main(), engine_start.CompileWatch():
             self.llm = vllm.LLM(**engine_args)
         engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
