@@ -1,8 +1,9 @@
 """One directory per node for what the engines compile on first use, kept across runs.
 
 SGLang and vLLM build kernels the first time a node runs them: flashinfer's JIT modules (its
-TRT-LLM all-reduce fusion took minutes of nvcc at TP 4 on an H200), triton's kernels, DeepGEMM's
-FP8 GEMMs, torch inductor's graphs, CUDA's PTX. Each library caches them under its own default
+TRT-LLM all-reduce fusion took minutes of nvcc at TP 4 on an H200), SGLang's own tvm-ffi JIT kernels
+(its MoE gate), triton's kernels (attention, fused MoE), DeepGEMM's FP8 GEMMs, torch inductor's
+graphs (SGLang compiles its top-k routing functions), CUDA's PTX. Each library caches them under its own default
 (some under the home directory, some under /tmp, some per process); `cluster.jit_cache_dir` puts
 them all under one directory on each node, so a second run on that node compiles nothing and
 the directory is one thing to keep (or mount) between runs. A variable already set in the
@@ -21,6 +22,7 @@ CACHE_ENV = {
     "TRITON_CACHE_DIR": "triton",
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
     "TORCH_EXTENSIONS_DIR": "torch_extensions",
+    "TVM_FFI_CACHE_DIR": "tvm_ffi",  # SGLang's own JIT kernels (sglang.kernels.jit: its MoE gate, ...)
     "DG_JIT_CACHE_DIR": "deep_gemm",
     "SGLANG_DG_CACHE_DIR": "deep_gemm",
     "SGLANG_CACHE_DIR": "sglang",

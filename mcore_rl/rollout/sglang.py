@@ -188,6 +188,7 @@ def adapt_args(args: dict, known: set[str]) -> dict:
     for k, v in args.items():
         name = k if k in known else next((a for a in ARG_ALIASES.get(k, ()) if a in known), None)
         if name is None and k in GPU_DEFAULTS:
+            print(f"[mcore_rl] this SGLang has no engine argument {k}: running without it", flush=True)  # its log
             continue
         if name is None:
             raise EngineError(f"this SGLang has no engine argument {k!r} (nor {ARG_ALIASES.get(k, ())})")
