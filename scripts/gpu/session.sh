@@ -152,6 +152,11 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         trainer.total_training_steps="${STEPS:-3}" ${R3:+actor.routing_replay=true} "${EXTRA[@]}" 2>&1 | quiet \
         | tee "$OUT/$name.log" | tail -60
       ls "${HOME}/.cache/mcore_rl/jit" 2>/dev/null | sed 's/^/jit cache: /' ;;
+    hidden_gap)  # issue 45 item 5: engine against trainer, layer by layer, on the same weights and tokens, 27 Moonlight
+      # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU); live routing and R3
+      timeout "${LIMIT:-590}" python3 benchmarks/hidden_gap.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
+        --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay rollout.tp_size=1 rollout.ep_size=1 \
+        "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/hidden_gap${TAG:-}.log" | tail -75 ;;
     loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
