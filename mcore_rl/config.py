@@ -79,6 +79,10 @@ class ClusterConfig(Section):
     placement_timeout_s: float = Field(120.0, gt=0, description=(
         "how long Ray may take to place the trainer's and engines' bundles; then the run stops naming what it asked "
         "for and what the cluster has (a GPU config on a machine without GPUs would otherwise wait forever)"))
+    jit_cache_dir: str | None = Field("~/.cache/mcore_rl/jit", description=(
+        "on each node, where the engines' first-use compiles are kept across runs (flashinfer, triton, DeepGEMM, "
+        "torch inductor, CUDA's PTX cache: mcore_rl.rollout.jit_cache); `~` is the node's home; a cache variable "
+        "already set in the environment (TRITON_CACHE_DIR, ...) wins; null: each library's own default"))
 
 
 class RolloutConfig(Section):
@@ -105,6 +109,11 @@ class RolloutConfig(Section):
     chunked_prefill_size: int = Field(8192, ge=1, description="prefill tokens per forward")
     attention_backend: str | None = Field(None, description="SGLang's; null: its default (CPU: torch_native)")
     seeded: bool = Field(True, description="each completion samples with its own seed: reproducible (pytorch sampler)")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "any further argument of the engine itself, passed through: SGLang's ServerArgs (sglang.Engine) or vLLM's "
+        "EngineArgs (vllm.LLM), e.g. rollout.engine_kwargs.enable_mixed_chunk=true; a key the installed engine does "
+        "not take is refused up front; where the run sets the same key itself (model, layout, memory, what the "
+        "sync assumes) its own value is kept, with a warning naming the key (mcore_rl.rollout.engine_kwargs)"))
     cpu_kv_tokens: int = Field(8192, ge=1, description="an engine's KV cache on CPU (not a fraction of memory there)")
     sync_transport: Literal["auto", "ipc", "broadcast", "disk"] = Field(
         "auto", description="auto: ipc colocated, else broadcast")

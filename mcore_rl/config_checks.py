@@ -143,6 +143,9 @@ def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) ->
                       "the last update before a sync trains on samples that old")
     if r.engine == "embedded" and not c.colocate:
         errors.append("rollout.engine 'embedded' samples on the trainer's own shards: it needs cluster.colocate: true")
+    if r.engine == "embedded" and r.engine_kwargs:
+        errors.append(f"rollout.engine_kwargs ({', '.join(r.engine_kwargs)}) are arguments of an SGLang or vLLM engine; "
+                      "rollout.engine 'embedded' takes none")
     if r.engine != "embedded" and r.sync_transport == "ipc" and not c.colocate:
         errors.append("rollout.sync_transport 'ipc' needs cluster.colocate: true (use 'broadcast' or 'disk')")
     per = c.n_gpus_per_node

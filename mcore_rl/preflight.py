@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from mcore_rl import config as C
 from mcore_rl.cli_errors import BadInput
 from mcore_rl.model_checks import unread_keys_warning
+from mcore_rl.rollout import engine_kwargs
 
 
 @dataclass
@@ -33,6 +34,7 @@ def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: bool = False) 
     check_output_dir(cfg.trainer)
     tokenizer_here = _check_model_files(cfg, dry_run)
     _warn_unread_hf_keys(cfg.model)
+    engine_kwargs.check_known(cfg.rollout.engine, cfg.rollout.engine_kwargs, cfg.cluster.device)
     return Inputs(None, None) if replay else _prompt_sources(cfg, tokenize=tokenizer_here)
 
 

@@ -164,14 +164,14 @@ def check_order_across_two_engines(group):
     assert [c.token_ids for g in split for c in g] == [c.token_ids for c in alone]
 
 
-def tp2_fixture(engine: str, starter, family: str):
-    """A module fixture `tp2`: one TP=2 engine of `family`, for the TP=2 checks and then the
-    hung-and-killed one (check_hung_and_killed), which ends it: one engine start for both.
+def tp2_fixture(engine: str, starter, family: str, **rollout):
+    """A module fixture `tp2`: one TP=2 engine of `family` (and `rollout` settings), for the TP=2 checks
+    and then the hung-and-killed one (check_hung_and_killed), which ends it: one engine start for all.
     Assign it at the module's top level: `tp2 = tp2_fixture(...)`."""
 
     @pytest.fixture(scope="module", name="tp2")
     def tp2(ray_cluster, models):
-        group = start(ray_cluster, starter, engine, models[family][1], tp=2)
+        group = start(ray_cluster, starter, engine, models[family][1], tp=2, **rollout)
         yield group
         if group.actors:  # not ended by the hung-and-killed check
             group.shutdown()

@@ -135,6 +135,16 @@ CASES = [
          "actor.ppo_max_token_len_per_gpu: expected int >= 1 or one of 'auto', got int 0"),
     Case("auto budget without dynamic batching", CONFIG, ("actor.ppo_max_token_len_per_gpu=auto",),
          "actor.ppo_max_token_len_per_gpu: auto picks a budget for actor.use_dynamic_bsz: true only"),
+    # rollout.engine_kwargs: the keys read from the installed engine's own argument class (one subprocess each)
+    Case("engine_kwargs key SGLang lacks", RUN, ("rollout.engine_kwargs.enable_mixd_chunk=true",),
+         "rollout.engine_kwargs.enable_mixd_chunk: not an argument of SGLang's ServerArgs (engine 0.5.20) "
+         "(did you mean 'enable_mixed_chunk'?)"),
+    Case("engine_kwargs key vLLM lacks", RUN,
+         ("rollout.engine=vllm", "model.hf_config.kv_lora_rank=512", "model.hf_config.qk_rope_head_dim=64",
+          "rollout.engine_kwargs.gpu_memory_utilisation=0.5"),
+         "rollout.engine_kwargs.gpu_memory_utilisation: not an argument of vLLM's EngineArgs"),
+    Case("engine_kwargs for the embedded engine", CONFIG, ("rollout.engine=embedded", "rollout.engine_kwargs.tp_size=2"),
+         "rollout.engine_kwargs (tp_size) are arguments of an SGLang or vLLM engine; rollout.engine 'embedded' takes none"),
     # converters and merge
     Case("hf dir missing", ("convert",), ("hf-to-mcore", "--hf", "{d}/nope"), "{d}/nope: no such directory"),
     Case("hf dir without config.json", ("convert",), ("hf-to-mcore", "--hf", "{d}/empty"), "no config.json"),
