@@ -284,7 +284,12 @@ def main() -> int:
                     "over_plan_pct": round(100 * (memory_max[f"memory/gpu_peak_gib_{ph}"] / planned[ph] - 1), 1)
                     if memory_max.get(f"memory/gpu_peak_gib_{ph}") and isinstance(planned.get(ph), float) else None}
                for ph in MEMORY_PHASES}
-    result = dict(config=a.config, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),
+    # each offload's GB/s per GPU: the bytes the busiest rank moved over the phase's seconds (issue 46's bound:
+    # scripts/gpu/host_bandwidth.py on the same node)
+    offload_gbs = {k: (med(f"memory/moved_gib_{k}") * 2**30 / 1e9 / med(f"timing/{k}"))
+                   if med(f"memory/moved_gib_{k}") and med(f"timing/{k}") else None
+                   for k in ("offload_trainer", "offload_weights")}
+    result = dict(config=a.config, offload_gb_per_s_per_gpu=offload_gbs, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),
                   start_s=start, to_step1_s=to_step1, step1_s=first.get("timing/step"), memory_vs_plan=vs_plan,
                   start_phases=start_phases,
                   phases_s={k: med(k) for k in PHASES}, step_s=med("timing/step"),
@@ -315,6 +320,7 @@ def main() -> int:
         v, ph = memory_max[m], m.rsplit("_", 1)[-1]
         plan_v = planned.get(ph, "not planned") if m.startswith("memory/gpu_") else ""
         print(f"{m:<32}{'not measured' if v is None else round(v, 3):>14}{plan_v:>14}")
+    print("offload GB/s per GPU:", {k: v and round(v, 1) for k, v in offload_gbs.items()})
     print("whole run (sampled here):", {k: round(v, 2) for k, v in run_peaks.items()} or "not measured")
     return 0
 

@@ -150,6 +150,8 @@ class Phases:
         else:
             out = self.colo.to_rollout(after_offload=save, before_sync=enter_sync, step=step)
             out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
+            # the most any one GPU's trainer moved to the host in each offload (its GB/s: over timing/<same>)
+            out.update({f"memory/moved_gib_{k}": max(v) / 2**30 for k, v in self.colo.moved.items() if v})
         self.mon.enter("rollout")
         return out
 
