@@ -49,7 +49,7 @@ def plan_hf_import(hf: HFModel, ckpt: HFCheckpoint) -> list:
     other = sorted(set(extra) - set(mtp))
     if other:
         raise CheckpointError(f"{ckpt.path}: tensors with no mapping rule: {other[:5]}")
-    check_shapes_and_dtypes(hf, ckpt, needed)
+    check_shapes_and_dtypes(hf, ckpt, [h for p in params for h in p.hf])
     return params
 
 
@@ -61,9 +61,9 @@ def check_shapes_and_dtypes(hf: HFModel, ckpt: HFCheckpoint, names) -> None:
     """Every tensor the model reads has the shape its config.json implies and a floating dtype
     (FP8 only with its block scales), checked from the shard headers before anything is written:
     a transposed or reshaped tensor would otherwise be written under the planned metadata and
-    fail only when read. The first misfit is named."""
+    fail only when read. The first misfit in the model's order is named."""
     expected = expected_hf_shapes(hf)
-    for name in sorted(names, key=lambda n: (len(n), n)):
+    for name in names:
         got, want = tuple(ckpt.meta[name]["shape"]), expected.get(name)
         dtype = ckpt.meta[name]["dtype"]
         if want is not None and got != want:
