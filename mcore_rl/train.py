@@ -508,6 +508,9 @@ def _truncate_metrics(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+PLAN_REFUSED = "memory plan REFUSED"
+
+
 def dry_run(cfg: C.Config) -> list[str]:
     """What a run of `cfg` would start, as lines: trainer ranks, engines, sync, memory plan."""
     from mcore_rl.rollout.placement import plan_placement
@@ -537,7 +540,7 @@ def dry_run(cfg: C.Config) -> list[str]:
             plan, source = plan_for_config(cfg)
             lines += ["memory plan per GPU (capacity from " + source + "):", *plan.table().splitlines()]
         except PlanError as e:
-            lines += [*(e.plan.table().splitlines() if e.plan else []), f"memory plan REFUSED: {e}"]
+            lines += [*(e.plan.table().splitlines() if e.plan else []), f"{PLAN_REFUSED}: {e}"]
         except GpuSelectionError as e:
             lines.append(f"memory plan: not made here ({e})")
     return lines
@@ -567,12 +570,12 @@ def main(argv: list[str] | None = None) -> int:
             lines = dry_run(cfg)
             print("\n".join(lines))
             # as the run would end: a refused memory plan stops it (exit 1, as python -m mcore_rl.plan)
-            return 1 if any(line.startswith("memory plan REFUSED") for line in lines) else 0
+            return 1 if any(line.startswith(PLAN_REFUSED) for line in lines) else 0
     except BAD_INPUT as e:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
     from mcore_rl.dynamic_sampling import RefillsExhausted
-    from mcore_rl.rollout_dump import DumpError
+    from mcore_rl.cli_errors import BadInput
     from mcore_rl.memory.planner import PlanError
     from mcore_rl.rollout.base import EngineError
 
@@ -582,8 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     except run_ckpt.SaveFailed as e:  # a full disk, a read-only directory: the checkpoint before is whole
         report(e)
         return 1
-    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError, PlacementTimeout) as e:
-        return report(e)
+    except (GpuSelectionError, BadInput, RefillsExhausted, PlacementTimeout) as e:
+        return report(e)  # BadInput: checkpoints, dumps, a second run that took the lock first, ...
     except BaseException:  # noqa: BLE001 - a stop by signal, whatever it interrupted: one line
         if PROGRESS["signal"] is None:
             raise
