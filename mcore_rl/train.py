@@ -54,14 +54,18 @@ def stop_on_signals() -> None:
             signal.signal(sig, _stop)
 
 
+def resume_hint() -> str:
+    """How a run that stopped now goes on: from its newest complete checkpoint, if any."""
+    newest = run_ckpt.latest(PROGRESS["ckpt_root"], warn=lambda _: None) if PROGRESS["ckpt_root"] else None
+    return (f"the newest complete checkpoint is {newest[1]} (step {newest[0]}): the same command resumes from it"
+            if newest else "no checkpoint was saved yet: the same command starts the run again")
+
+
 def stopped_line() -> str:
     """Where a stopped run stopped, and how to go on."""
     step, total = PROGRESS["step"], PROGRESS["total"]
     where = f"during step {step} of {total}" if step else "before its first step"
-    newest = run_ckpt.latest(PROGRESS["ckpt_root"], warn=lambda _: None) if PROGRESS["ckpt_root"] else None
-    then = (f"the newest complete checkpoint is {newest[1]} (step {newest[0]}): the same command resumes from it"
-            if newest else "no checkpoint was saved yet: the same command starts the run again")
-    return f"error: stopped by {PROGRESS['signal']} {where}; {then}"
+    return f"error: stopped by {PROGRESS['signal']} {where}; {resume_hint()}"
 
 def prepare_model(cfg: C.Config, run_dir: str) -> str:
     """An HF directory for the policy: the given one, or the embedded tiny config, initialised once."""
@@ -575,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
     from mcore_rl.dynamic_sampling import RefillsExhausted
-    from mcore_rl.cli_errors import BadInput
+    from mcore_rl.cli_errors import BadInput, message
     from mcore_rl.memory.planner import PlanError
     from mcore_rl.rollout.base import EngineError
 
@@ -587,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (GpuSelectionError, BadInput, RefillsExhausted, PlacementTimeout) as e:
         return report(e)  # BadInput: checkpoints, dumps, a second run that took the lock first, ...
+    except OSError as e:  # a file the run writes (metrics, dumps) on a full or read-only disk
+        print(f"error: {message(e)}; {resume_hint()}", file=sys.stderr, flush=True)
+        return 1
     except BaseException:  # noqa: BLE001 - a stop by signal, whatever it interrupted: one line
         if PROGRESS["signal"] is None:
             raise
