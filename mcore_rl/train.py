@@ -26,7 +26,7 @@ from mcore_rl.parallel import rendezvous_on
 from mcore_rl.run_dir import RunLock
 
 # where the run is, for the line a stop by signal prints (set by train and its loop)
-PROGRESS: dict = {"step": None, "total": None, "ckpt_root": None, "signal": None}
+PROGRESS: dict = {"step": None, "done": None, "total": None, "ckpt_root": None, "signal": None}
 
 
 class Stopped(BaseException):
@@ -63,8 +63,9 @@ def resume_hint() -> str:
 
 def stopped_line() -> str:
     """Where a stopped run stopped, and how to go on."""
-    step, total = PROGRESS["step"], PROGRESS["total"]
-    where = f"during step {step} of {total}" if step else "before its first step"
+    step, done, total = PROGRESS["step"], PROGRESS["done"], PROGRESS["total"]
+    where = (f"during step {step} of {total}" if step else f"after step {done} of {total}" if done
+             else "before its first step")
     return f"error: stopped by {PROGRESS['signal']} {where}; {resume_hint()}"
 
 def prepare_model(cfg: C.Config, run_dir: str) -> str:
@@ -335,7 +336,7 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None, stop_on_signal:
 def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, replay: str | None) -> dict:
     t = cfg.trainer
     ckpt_root = os.path.join(run_dir, "checkpoints")
-    PROGRESS.update(ckpt_root=ckpt_root, step=None)
+    PROGRESS.update(ckpt_root=ckpt_root, step=None, done=None)
     hf_dir = prepare_model(cfg, run_dir)
     init = initial_checkpoints(cfg, hf_dir, run_dir)
     group = ActorGroup(cfg, hf_dir, init, pg)
@@ -455,6 +456,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         after.update(phases.mon.take())  # this step's peaks: rollout, train, save, sync
         logger.log(after, step=step)
         metrics.update(after)
+        PROGRESS.update(step=None, done=step)
         if console:
             console.show(step, metrics)
     ckpt.finish()

@@ -36,7 +36,7 @@ def _complete_checkpoint(root, step: int) -> None:
 def test_a_signal_stops_the_run_with_one_line(sig, tmp_path, handlers):
     root = tmp_path / "checkpoints"
     _complete_checkpoint(root, 4)
-    train.PROGRESS.update(step=7, total=30, ckpt_root=str(root), signal=None)
+    train.PROGRESS.update(step=7, done=6, total=30, ckpt_root=str(root), signal=None)
     train.stop_on_signals()
     with pytest.raises(train.Stopped):
         try:
@@ -51,6 +51,8 @@ def test_a_signal_stops_the_run_with_one_line(sig, tmp_path, handlers):
 
 
 def test_before_any_checkpoint_the_line_says_the_run_starts_again(tmp_path, handlers):
-    train.PROGRESS.update(step=None, total=None, ckpt_root=str(tmp_path / "checkpoints"), signal="SIGTERM")
+    train.PROGRESS.update(step=None, done=None, total=None, ckpt_root=str(tmp_path / "checkpoints"), signal="SIGTERM")
     assert train.stopped_line() == ("error: stopped by SIGTERM before its first step; no checkpoint was saved yet: "
                                     "the same command starts the run again")
+    train.PROGRESS.update(done=3, total=30)  # between two steps
+    assert train.stopped_line().startswith("error: stopped by SIGTERM after step 3 of 30; no checkpoint")
