@@ -86,3 +86,30 @@ def test_head_dim_without_the_key():
             model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
         attn = model.model.layers[0].self_attn
         assert HFModel.from_dict(cfg).head_dim == attn.head_dim, family
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_a_config_leaving_defaults_out_builds_what_transformers_writes_of_it(family, tmp_path):
+    """The driver reads an embedded hf_config as given; the actors read the config.json transformers
+    writes from it (every default filled in). With every defaultable key left out, both build the
+    same megatron config."""
+    import dataclasses
+    import json
+
+    import transformers
+
+    from mcore_rl.models.config import _rope_theta, transformer_config
+
+    keep = ("num_experts_per_tok", "n_routed_experts", "num_experts", "n_group", "topk_group")  # tiny, routable
+    cfg = {"model_type": family, **{k: v for k, v in FAMILIES[family][1].items()
+                                    if k in keep or (k not in FAMILY_DEFAULTS[family] and k != "head_dim")}}
+    transformers.AutoConfig.for_model(**cfg).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+
+    def built(c: dict) -> dict:
+        m = HFModel.from_dict(c)
+        t = transformer_config(m, cpu=True)
+        rope = {"rotary_percent": m.rotary_fraction, "rotary_base": _rope_theta(m)}  # the builder's GPTModel args
+        return {**rope, **{f.name: getattr(t, f.name) for f in dataclasses.fields(t) if not callable(getattr(t, f.name))}}
+
+    assert built(cfg) == built(written), (family, sorted(set(FAMILIES[family][1]) - set(cfg)))
