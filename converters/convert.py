@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from converters.hf_io import CheckpointError, HFCheckpoint, atomic_dir, copy_side_files
 from converters.mappings import mapping_for
-from converters.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, write_torch_dist
+from converters.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, expected_hf_shapes, write_torch_dist
 from converters.planned_writer import Planned, PlannedWriter
 from mcore_rl.model_checks import unread_keys_warning
 from mcore_rl.models.config import HFModel, validate_layout
@@ -49,7 +49,30 @@ def plan_hf_import(hf: HFModel, ckpt: HFCheckpoint) -> list:
     other = sorted(set(extra) - set(mtp))
     if other:
         raise CheckpointError(f"{ckpt.path}: tensors with no mapping rule: {other[:5]}")
+    check_shapes_and_dtypes(hf, ckpt, [h for p in params for h in p.hf])
     return params
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+def check_shapes_and_dtypes(hf: HFModel, ckpt: HFCheckpoint, names) -> None:
+    """Every tensor the model reads has the shape its config.json implies and a floating dtype
+    (FP8 only with its block scales), checked from the shard headers before anything is written:
+    a transposed or reshaped tensor would otherwise be written under the planned metadata and
+    fail only when read. The first misfit in the model's order is named."""
+    expected = expected_hf_shapes(hf)
+    for name in names:
+        got, want = tuple(ckpt.meta[name]["shape"]), expected.get(name)
+        dtype = ckpt.meta[name]["dtype"]
+        if want is not None and got != want:
+            raise CheckpointError(f"{ckpt.path}: tensor {name} has shape {list(got)}, config.json implies "
+                                  f"{list(want)}; nothing written")
+        fp8 = dtype in FP8_DTYPES and name + "_scale_inv" in ckpt.meta
+        if dtype not in FLOAT_DTYPES and not fp8:
+            why = "FP8 without its _scale_inv block scales" if dtype in FP8_DTYPES else "not a floating dtype"
+            raise CheckpointError(f"{ckpt.path}: tensor {name} has dtype {dtype} ({why}); nothing written")
 
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
 import types
 import typing
@@ -71,7 +72,7 @@ class ClusterConfig(Section):
     nnodes: int = Field(1, ge=1)
     n_gpus_per_node: int = Field(8, ge=1)
     colocate: bool = Field(True, description="actor and rollout share all GPUs, taking turns")
-    rollout_gpus: int = Field(0, description="GPUs given to rollout alone when not colocated")
+    rollout_gpus: int = Field(0, ge=0, description="GPUs given to rollout alone when not colocated")
     device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes stand in for GPUs (tests)")
     host_memory_gb: float | None = Field(None, gt=0, description=(
         "RAM of each node, for the host memory plan (mcore_rl.memory.host); null: this machine's MemTotal where its "
@@ -172,7 +173,7 @@ class MemoryConfig(Section):
     expandable_segments: bool = Field(True, description=(
         "the trainer's CUDA allocator maps pages into growing segments: what it reserves follows what it "
         "allocates across the offload/onload cycles (mcore_rl.memory.allocator); GPU only"))
-    cuda_graph_gb: float | None = Field(None, description="null: estimate from rollout.cuda_graph_max_bs")
+    cuda_graph_gb: float | None = Field(None, ge=0, description="null: estimate from rollout.cuda_graph_max_bs")
     host_trainer_process_gb: float | None = Field(None, ge=0, description=(
         "host memory of each process besides its states (mcore_rl.memory.host); null: the planner's estimates, 3 GiB "
         "per trainer rank and 4 GiB per engine rank (with its tokenizer/detokenizer)"))
@@ -181,7 +182,7 @@ class MemoryConfig(Section):
 
 class KLControlConfig(Section):
     type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
+    kl_coef: float = Field(0.001, ge=0)
     target_kl: float = Field(0.1, gt=0)
     horizon: int = Field(10000, gt=0)
 
@@ -229,8 +230,8 @@ class PolicyLossConfig(Section):
 class ActorConfig(Section):
     lr: float = Field(1e-6, gt=0)
     lr_warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0: none")
     clip_ratio_low: float = Field(0.2, ge=0, lt=1)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
@@ -238,9 +239,9 @@ class ActorConfig(Section):
     loss_scale_factor: float | None = Field(None, gt=0, description=(
         "seq-mean-token-sum-norm's divisor; null: rollout.max_response_len"))
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus in the policy loss")
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KLType = "low_var_kl"
     ppo_epochs: int = Field(1, ge=1)
     ppo_mini_batch_size: int = Field(256, ge=1, description="prompts per optimizer step (times rollout.n samples)")
@@ -253,7 +254,7 @@ class ActorConfig(Section):
     tis_imp_ratio_cap: float | None = Field(None, gt=0, description=(
         "token-level TIS cap, verl's older key: algorithm.rollout_correction with rollout_is: token"))
     use_distributed_optimizer: bool = Field(True, description="shard fp32 main params and Adam moments over DP")
-    router_bias_update_rate: float = Field(0.0, description=(
+    router_bias_update_rate: float = Field(0.0, ge=0, description=(
         "aux-loss-free balancing (DeepSeek-V3): expert-bias step per update; 0 keeps routing as loaded"))
     routing_replay: bool = Field(False, description=(
         "R3, rollout routing replay: the policy's routers take the experts the engine routed each token to (old "
@@ -273,10 +274,10 @@ class ActorConfig(Section):
 class CriticConfig(Section):
     enabled: bool = False
     hf_path: str | None = Field(None, description="defaults to model.hf_path")
-    lr: float = 1e-5
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    cliprange_value: float = 0.5
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0: none")
+    cliprange_value: float = Field(0.5, gt=0)
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(4, ge=1, description="also the micro-batch of `values`")
     ppo_mini_batch_size: int | None = Field(None, ge=1, description=(
@@ -294,7 +295,7 @@ class DataConfig(Section):
     train_batch_size: int = Field(1024, ge=1, description="prompts per step")
     gen_batch_size: int | None = Field(None, ge=1, description=(
         "prompts per generation round of dynamic sampling; null: train_batch_size"))
-    val_batch_size: int | None = Field(None, description="null: the whole validation set at once")
+    val_batch_size: int | None = Field(None, ge=1, description="null: the whole validation set at once")
     shuffle: bool = True
     task: str | None = Field(None, description="an embedded generated task (mcore_rl.data.tasks) instead of files")
     task_train_size: int = Field(4096, ge=1)
@@ -306,8 +307,8 @@ class OverlongBufferConfig(Section):
     than rollout.max_response_len - len loses up to penalty_factor of reward, linearly."""
 
     enable: bool = False
-    len: int = 0
-    penalty_factor: float = 1.0
+    len: int = Field(0, ge=0)
+    penalty_factor: float = Field(1.0, ge=0)
 
 
 class RewardConfig(Section):
@@ -320,9 +321,9 @@ class TrainerConfig(Section):
     output_dir: str = "outputs"
     total_epochs: int = Field(1, ge=1)
     total_training_steps: int | None = Field(None, ge=1, description="overrides epochs * steps per epoch")
-    save_freq: int = Field(-1, description="steps; -1 never")
+    save_freq: int = Field(-1, ge=-1, description="steps; -1 or 0: never")
     save_last: bool = Field(True, description="the last step saves too, whatever save_freq says")
-    test_freq: int = -1
+    test_freq: int = Field(-1, ge=-1, description="validation every N steps (and at the last); -1 or 0: only the last")
     val_before_train: bool = True
     resume: Literal["auto", "disable"] = Field("auto", description="disable: refused where output_dir holds a run")
     max_checkpoints: int | None = Field(None, ge=1, description="keep the newest N complete checkpoints; null: all")
@@ -348,7 +349,7 @@ class TrainerConfig(Section):
     logger: Annotated[list[Logger], OneOrMany] = Field(default_factory=lambda: ["console", "jsonl"])
     console: Literal["short", "full"] = Field("short", description=(
         "short: one line a step (step i/N, reward, validation reward, seconds, ETA); full: every metric"))
-    seed: int = 1
+    seed: int = Field(1, ge=0)
 
 
 class Config(Section):
@@ -454,10 +455,32 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 errors.append(f"override {item!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
                 break
         else:
-            node[parts[-1]] = yaml_load(raw) if raw.strip() else ""
+            try:
+                node[parts[-1]] = yaml_load(raw) if raw.strip() else ""
+            except yaml.YAMLError as e:
+                errors.append(f"override {item!r}: the value is not valid YAML "
+                              f"({getattr(e, 'problem', None) or type(e).__name__})")
     if errors:
         raise ConfigError(errors)
     return data
+
+
+def shipped_configs_dir() -> str:
+    """The configs shipped with the package (configs/ of a checkout, package data when installed)."""
+    import importlib.resources
+
+    return str(importlib.resources.files("mcore_rl") / "configs")
+
+
+def resolve_config_path(path: str) -> str:
+    """A bare NAME.yaml that is not a file here names a shipped config (configs/NAME.yaml)."""
+    if os.path.exists(path) or os.path.dirname(path):
+        return path
+    shipped = os.path.join(shipped_configs_dir(), path)
+    if not os.path.isfile(shipped):
+        names = sorted(n for n in os.listdir(shipped_configs_dir()) if n.endswith(".yaml"))
+        raise ConfigError(f"{path}: no such file, nor a shipped config ({', '.join(names)})")
+    return shipped
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None, *,
@@ -465,7 +488,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
                 available_gpus: int | None = None, validate: bool = True) -> Config:
     """Read YAML (optional), apply overrides, build and (by default) validate the config."""
     try:
-        data = read_yaml_mapping(path) if path else {}
+        data = read_yaml_mapping(resolve_config_path(path)) if path else {}
     except BadInput as e:
         raise ConfigError(str(e)) from None
     cfg = config_from_dict(apply_overrides(data, overrides or []))
@@ -520,7 +543,7 @@ if __name__ == "__main__":  # as a script: the package's module, whose sections 
 
 # the checks against the cluster and the model (mcore_rl.config_checks), which take the sections above:
 # looked up there on first use, so either module may be imported first
-CHECKS = ("actor_gpus", "hf_model_dims", "max_running_requests", "recompute_choice", "require_model_dirs",
+CHECKS = ("actor_gpus", "hf_model_dims", "inert_options", "max_running_requests", "recompute_choice", "require_model_dirs",
           "returns_routes", "rollout_gpus", "transport_for", "validate_config")
 
 

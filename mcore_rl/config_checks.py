@@ -326,14 +326,18 @@ def _check_corrections(cfg: Config, errors: list[str]) -> None:
 
 
 def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
-    """FP8 engine weights: SGLang only (the sync quantizes into its layout), MLA models only."""
+    """FP8 engine weights: SGLang only (the sync quantizes into its layout), MLA models only, GPUs only."""
     if cfg.rollout.weight_dtype != "fp8":
         if cfg.rollout.fp8_kernels != "triton":
             errors.append(f"rollout.fp8_kernels={cfg.rollout.fp8_kernels} needs rollout.weight_dtype=fp8")
         return
-    if cfg.rollout.fp8_kernels != "triton" and cfg.cluster.device == "cpu":
-        errors.append(f"rollout.fp8_kernels={cfg.rollout.fp8_kernels} runs on GPUs (Hopper); SGLang's CPU engine "
-                      "has its own FP8 path")
+    if cfg.cluster.device == "cpu" and cfg.rollout.engine == "sglang":
+        # SGLang's CPU engine dies starting a block-FP8 model: say so before anything starts
+        kernels = cfg.rollout.fp8_kernels
+        errors.append(f"rollout.fp8_kernels={kernels} runs on GPUs (Hopper)" if kernels != "triton" else
+                      "rollout.weight_dtype=fp8 needs cluster.device gpu: SGLang's CPU engine does not start "
+                      "with block-FP8 weights")
+        return
     if cfg.rollout.engine != "sglang":
         errors.append(f"rollout.weight_dtype=fp8 needs rollout.engine=sglang, not {cfg.rollout.engine}")
     if hf is not None and not str(hf.get("model_type", "")).startswith("deepseek"):
@@ -391,6 +395,51 @@ def _check_routing_replay(cfg: Config, errors: list[str]) -> None:
             errors.append("actor.routing_replay: the model has no routed experts")
 
 
+# options that act only in some settings: (key, whether it acts, when it does)
+_CONDITIONAL = [
+    *[(f"trainer.{k}", lambda c: c.trainer.mode == "fully_async", "trainer.mode fully_async")
+      for k in ("sync_every", "max_staleness", "stale_groups", "partial_rollout_tokens")],
+    ("trainer.decoupled_loss", lambda c: c.trainer.mode != "sync", "an off-policy trainer.mode"),
+    *[(f"reward.overlong_buffer.{k}", lambda c: c.reward.overlong_buffer.enable, "reward.overlong_buffer.enable")
+      for k in ("len", "penalty_factor")],
+    *[(f"algorithm.filter_groups.{k}", lambda c: c.algorithm.filter_groups.enable, "algorithm.filter_groups.enable")
+      for k in ("metric", "max_num_gen_batches")],
+    ("data.gen_batch_size", lambda c: c.algorithm.filter_groups.enable, "algorithm.filter_groups.enable"),
+    *[(f"actor.{k}", lambda c: c.actor.use_kl_loss, "actor.use_kl_loss") for k in ("kl_loss_coef", "kl_loss_type")],
+    ("algorithm.kl_penalty", lambda c: c.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward"),
+    *[(f"algorithm.kl_ctrl.{k}", lambda c: c.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward")
+      for k in ("type", "kl_coef", "target_kl", "horizon")],
+    ("actor.loss_scale_factor", lambda c: c.actor.loss_agg_mode == "seq-mean-token-sum-norm",
+     "actor.loss_agg_mode seq-mean-token-sum-norm"),
+    *[(f"{s}.ppo_max_token_len_per_gpu", lambda c: c.actor.use_dynamic_bsz, "actor.use_dynamic_bsz")
+      for s in ("actor", "critic")],
+    ("algorithm.rollout_correction.rollout_is_threshold", lambda c: c.algorithm.rollout_correction.rollout_is
+     is not None, "algorithm.rollout_correction.rollout_is"),
+    ("algorithm.rollout_correction.rollout_rs_threshold", lambda c: c.algorithm.rollout_correction.rollout_rs
+     is not None, "algorithm.rollout_correction.rollout_rs"),
+    *[(f"critic.{k}", lambda c: c.critic.enabled, "critic.enabled") for k in
+      ("hf_path", "lr", "weight_decay", "grad_clip", "cliprange_value", "ppo_epochs", "micro_batch_size",
+       "ppo_mini_batch_size")],
+]
+
+
+def _was_set(cfg: Config, key: str) -> bool:
+    """Whether the config file or an override gave `key` (a dotted path), not its default."""
+    *sections, name = key.split(".")
+    node = cfg
+    for part in sections:
+        if part not in node.model_fields_set:
+            return False
+        node = getattr(node, part)
+    return name in node.model_fields_set
+
+
+def inert_options(cfg: Config) -> list[str]:
+    """One warning line per option given that does nothing in this config, naming it and when it acts."""
+    return [f"warning: {key} is set but acts only with {when}; it is ignored here"
+            for key, acts, when in _CONDITIONAL if _was_set(cfg, key) and not acts(cfg)]
+
+
 def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | None] | dict | None = None,
                     available_gpus: int | None = None) -> Config:
     """Cross-check the sections; raises ConfigError listing every problem. Fills derived defaults.
@@ -400,6 +449,8 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     available_gpus: when given and cluster.device is gpu, the cluster must have exactly these.
     """
     errors: list[str] = []  # the sections' own types and ranges were checked as they were built
+    if not cfg.trainer.output_dir.strip():
+        errors.append("trainer.output_dir is empty: name the directory for the run's checkpoints and logs")
     _check_memory_and_device(cfg, errors)
     _check_layout(cfg, errors, available_gpus)
     hf = model_info(cfg.model) if callable(model_info) else model_info

@@ -23,6 +23,50 @@ from mcore_rl import config as C
 from mcore_rl import run_checkpoints as run_ckpt
 from mcore_rl.run_checkpoints import Checkpointer
 from mcore_rl.parallel import rendezvous_on
+from mcore_rl.run_dir import RunLock
+
+# where the run is, for the line a stop by signal prints (set by train and its loop)
+PROGRESS: dict = {"step": None, "done": None, "total": None, "ckpt_root": None, "signal": None}
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT: the run stops at once, its engines and workers shut down on the way out.
+    A BaseException, as KeyboardInterrupt, so that no `except Exception` takes it for an error."""
+
+
+def _stop(signum, frame) -> None:
+    import signal
+
+    if PROGRESS["signal"] is not None:  # a second signal while shutting down: out now
+        os._exit(128 + signum)
+    PROGRESS["signal"] = signal.Signals(signum).name
+    raise Stopped(PROGRESS["signal"])
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise Stopped in the main thread. Installed once Ray has started: its
+    core worker's failure handler, chained before Python's, printed a native stack dump first."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop)
+
+
+def resume_hint() -> str:
+    """How a run that stopped now goes on: from its newest complete checkpoint, if any."""
+    newest = run_ckpt.latest(PROGRESS["ckpt_root"], warn=lambda _: None) if PROGRESS["ckpt_root"] else None
+    return (f"the newest complete checkpoint is {newest[1]} (step {newest[0]}): the same command resumes from it"
+            if newest else "no checkpoint was saved yet: the same command starts the run again")
+
+
+def stopped_line() -> str:
+    """Where a stopped run stopped, and how to go on."""
+    step, done, total = PROGRESS["step"], PROGRESS["done"], PROGRESS["total"]
+    where = (f"during step {step} of {total}" if step else f"after step {done} of {total}" if done
+             else "before its first step")
+    return f"error: stopped by {PROGRESS['signal']} {where}; {resume_hint()}"
 
 def prepare_model(cfg: C.Config, run_dir: str) -> str:
     """An HF directory for the policy: the given one, or the embedded config's, written once. The
@@ -189,7 +233,7 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, source, prompt_idx,
                                                                cfg.trainer.seed * 100003 + step)
     if cfg.trainer.rollout_dump_dir:
-        dump_rollout(cfg.trainer.rollout_dump_dir, step, batch, idx, score, reward)
+        dump_rollout(cfg.trainer.rollout_dump_dir, step, batch, idx, score, reward, C.hf_model_dims(cfg.model))
     times["timing/rollout"] = time.perf_counter() - t0
     t = time.perf_counter()
     phases.to_train()
@@ -296,24 +340,34 @@ def _start_ray(cfg: C.Config) -> None:
                  include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
 
 
-def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
+def train(cfg: C.Config, inputs=None, replay: str | None = None, stop_on_signal: bool = False) -> dict:
     """The RL loop. inputs: preflight.check_inputs(cfg), where the caller has made it; replay: a
-    rollout_dump_dir to train on instead of sampling (no engine, no prompts, no validation)."""
+    rollout_dump_dir to train on instead of sampling (no engine, no prompts, no validation);
+    stop_on_signal: SIGTERM and SIGINT raise Stopped (the command line's run)."""
     from mcore_rl.preflight import check_inputs
 
-    t = cfg.trainer
-    inputs = inputs if inputs is not None else check_inputs(cfg, replay=bool(replay))
+    inputs = inputs if inputs is not None else check_inputs(cfg, replay=replay)
     train_task, val_task = inputs.train, inputs.val
-    run_dir = os.path.abspath(t.output_dir)
-    ckpt_root = os.path.join(run_dir, "checkpoints")
+    run_dir = os.path.abspath(cfg.trainer.output_dir)
     plan = memory_plan(cfg)
     from mcore_rl.console import StartConsole
 
     start_console = StartConsole()  # a line per start-up phase, with its seconds
     with start_console.phase("starting Ray, placing the trainer"):
         _start_ray(cfg)
+        if stop_on_signal:
+            stop_on_signals()  # after Ray's start: its handler would print a native stack dump on SIGTERM
         pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
     os.makedirs(run_dir, exist_ok=True)
+    with RunLock(run_dir):  # a second run in this directory is refused while this one lives
+        return _train_in(cfg, run_dir, pg, plan, train_task, val_task, replay, start_console)
+
+
+def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, replay: str | None,
+              start_console) -> dict:
+    t = cfg.trainer
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    PROGRESS.update(ckpt_root=ckpt_root, step=None, done=None)
     written = contextlib.nullcontext() if cfg.model.hf_path else start_console.phase("writing the model's config")
     with written:
         hf_dir = prepare_model(cfg, run_dir)
@@ -336,7 +390,7 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
         from mcore_rl.rollout_dump import RolloutReplay
 
         if replay:
-            engine = RolloutReplay(replay)
+            engine = RolloutReplay(replay, C.hf_model_dims(cfg.model))
         else:
             if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
                 with start_console.phase("offloading the trainer's states"):
@@ -417,7 +471,9 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     if before:
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
+    PROGRESS["total"] = total
     for step in range(start + 1, total + 1):
+        PROGRESS["step"] = step
         prompts = step_prompts(cfg, train_task, step) if train_task else []  # a replay trains on dumped batches
         metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
         ckpt.finish()  # a background save of the step before is complete once this step has trained
@@ -438,6 +494,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         after.update(phases.mon.take())  # this step's peaks: rollout, train, save, sync
         logger.log(after, step=step)
         metrics.update(after)
+        PROGRESS.update(step=None, done=step)
         if console:
             console.show(step, metrics)
     ckpt.finish()
@@ -495,6 +552,9 @@ def _truncate_metrics(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+PLAN_REFUSED = "memory plan REFUSED"
+
+
 def dry_run(cfg: C.Config) -> list[str]:
     """What a run of `cfg` would start, as lines: trainer ranks, engines, sync, memory plan."""
     from mcore_rl.rollout.placement import plan_placement
@@ -524,7 +584,7 @@ def dry_run(cfg: C.Config) -> list[str]:
             plan, source = plan_for_config(cfg)
             lines += ["memory plan per GPU (capacity from " + source + "):", *plan.table().splitlines()]
         except PlanError as e:
-            lines += [*(e.plan.table().splitlines() if e.plan else []), f"memory plan REFUSED: {e}"]
+            lines += [*(e.plan.table().splitlines() if e.plan else []), f"{PLAN_REFUSED}: {e}"]
         except GpuSelectionError as e:
             lines.append(f"memory plan: not made here ({e})")
     return lines
@@ -549,23 +609,36 @@ def main(argv: list[str] | None = None) -> int:
         cfg = C.load_config(a.config, a.overrides)
         # the same checks for both; a dry run plans for the cluster it names: its model files
         # need not be on this machine
-        inputs = check_inputs(cfg, dry_run=a.dry_run, replay=bool(a.replay))
+        inputs = check_inputs(cfg, dry_run=a.dry_run, replay=a.replay)
         if a.dry_run:
-            print("\n".join(dry_run(cfg)))
-            return 0
+            lines = dry_run(cfg)
+            print("\n".join(lines))
+            # as the run would end: a refused memory plan stops it (exit 1, as python -m mcore_rl.plan)
+            return 1 if any(line.startswith(PLAN_REFUSED) for line in lines) else 0
     except BAD_INPUT as e:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
     from mcore_rl.dynamic_sampling import RefillsExhausted
-    from mcore_rl.rollout_dump import DumpError
+    from mcore_rl.cli_errors import BadInput, message
     from mcore_rl.memory.planner import PlanError
     from mcore_rl.rollout.base import EngineError
 
     t0 = time.perf_counter()
     try:
-        m = train(cfg, inputs, replay=a.replay)
-    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError, PlacementTimeout) as e:
-        return report(e)
+        m = train(cfg, inputs, replay=a.replay, stop_on_signal=True)
+    except run_ckpt.SaveFailed as e:  # a full disk, a read-only directory: the checkpoint before is whole
+        report(e)
+        return 1
+    except (GpuSelectionError, BadInput, RefillsExhausted, PlacementTimeout) as e:
+        return report(e)  # BadInput: checkpoints, dumps, a second run that took the lock first, ...
+    except OSError as e:  # a file the run writes (metrics, dumps) on a full or read-only disk
+        print(f"error: {message(e)}; {resume_hint()}", file=sys.stderr, flush=True)
+        return 1
+    except BaseException:  # noqa: BLE001 - a stop by signal, whatever it interrupted: one line
+        if PROGRESS["signal"] is None:
+            raise
+        print(stopped_line(), file=sys.stderr, flush=True)
+        return 128 + getattr(__import__("signal"), PROGRESS["signal"])
     except EngineError as e:  # an engine died or hung mid-run (its message names it): rerunning resumes
         cause = getattr(e, "cause", None) or e  # met by a trainer rank in a weight sync: Ray wraps it
         print(f"error: {cause}; the same command resumes from the last checkpoint", file=sys.stderr)
