@@ -31,9 +31,26 @@ class Inputs:
 def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: bool = False) -> Inputs:
     """replay: the run trains on dumped rollouts and reads no prompts."""
     check_output_dir(cfg.trainer)
+    _check_multiturn_code(cfg)
     tokenizer_here = _check_model_files(cfg, dry_run)
     _warn_unread_hf_keys(cfg.model)
     return Inputs(None, None) if replay else _prompt_sources(cfg, tokenize=tokenizer_here)
+
+
+def _check_multiturn_code(cfg: C.Config) -> None:
+    """rollout.env is an importable class and rollout.generate_fn an importable async function."""
+    import inspect
+
+    from mcore_rl.rollout.multiturn import load_object
+
+    r = cfg.rollout
+    try:
+        if r.env and not inspect.isclass(env := load_object(r.env, "rollout.env")):
+            raise ValueError(f"rollout.env: {r.env!r} is a {type(env).__name__}, not a class")
+        if r.generate_fn and not inspect.iscoroutinefunction(fn := load_object(r.generate_fn, "rollout.generate_fn")):
+            raise ValueError(f"rollout.generate_fn: {r.generate_fn!r} is not an async function ({type(fn).__name__})")
+    except ValueError as e:
+        raise BadInput(str(e)) from None
 
 
 def check_output_dir(t: C.TrainerConfig) -> None:
