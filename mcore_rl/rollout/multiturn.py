@@ -267,7 +267,7 @@ class ConversationPool:
     def __init__(self):
         self.loop = asyncio.new_event_loop()
         self.cond = threading.Condition()
-        self.live, self.waiting, self.error = 0, [], None
+        self.live, self.waiting, self.error, self.closed = 0, [], None, False
         self.thread = threading.Thread(target=self.loop.run_forever, name="conversations", daemon=True)
         self.thread.start()
 
@@ -300,11 +300,11 @@ class ConversationPool:
     def next_round(self) -> list[_Pending]:
         """The requests of every live conversation, once all of them wait for the engine ([]: none live)."""
         with self.cond:
-            while self.error is None and len(self.waiting) < self.live:
+            while self.error is None and not self.closed and len(self.waiting) < self.live:
                 self.cond.wait(timeout=1.0)
             if self.error is not None:
                 raise self.error
-            out, self.waiting = self.waiting, []
+            out, self.waiting = ([], []) if self.closed else (self.waiting, [])
             return out
 
     def requeue(self, pending: list[_Pending]) -> None:
@@ -320,6 +320,10 @@ class ConversationPool:
         self.loop.call_soon_threadsafe(hand_back)
 
     def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
         def cancel_all():
             for task in asyncio.all_tasks(self.loop):
                 task.cancel()
