@@ -29,16 +29,19 @@ class ScriptedEngine:
 
     label = "scripted engine"
 
-    def __init__(self):
+    def __init__(self, stop_chance: float = 0.25, seconds: float = 0.0):
         self.answered: list[tuple[tuple[int, ...], Completion]] = []
+        self.stop_chance, self.seconds, self.calls = stop_chance, seconds, 0
 
     def generate_requests(self, requests):
+        self.calls += 1
+        time.sleep(self.seconds)
         out = []
         for r in requests:
             rng = random.Random(r.params.seed)
             ids = []
             for k in range(r.params.max_new_tokens):  # a turn opens with a non-stop id: no two alike by chance
-                ids.append(STOP if k and rng.random() < 0.25 else rng.randrange(3, VOCAB - 1))
+                ids.append(STOP if k and rng.random() < self.stop_chance else rng.randrange(3, VOCAB - 1))
                 if ids[-1] in r.params.stop_token_ids:
                     break
             c = Completion(ids, [-rng.random() for _ in ids], "stop" if ids[-1] in r.params.stop_token_ids else "length",
@@ -199,3 +202,40 @@ def test_environment_tokens_stay_out_of_loss_kl_and_advantage_norm(tmp_path):
     torch.testing.assert_close(policy_loss(junk(old), junk(new), junk(adv), mask, loss_agg_mode="token-mean",
                                            **clip)[0], ours)
     torch.testing.assert_close(kl_loss(junk(new), junk(ref), mask, "low_var_kl", "token-mean"), ours_kl)
+
+
+def test_a_turn_cut_by_a_sync_goes_on_under_the_new_weights():
+    """fully_async's conversation worker with partial rollout: turns of 6 tokens sampled 2 at a time;
+    a sync after the second round lands in the middle of every first turn, whose last piece then
+    comes from the new weights; the conversations still equal their engine-answer chains."""
+    import itertools
+
+    from mcore_rl.async_loop import BusyClock
+    from mcore_rl.rollout.base import SamplingParams
+    from mcore_rl.rollout.multiturn import ConversationWorker, MultiTurnSettings, env_conversation
+
+    engine = ScriptedEngine(stop_chance=0.0, seconds=0.3)
+    prompts = [[1, 3 + i, 40 + i, 500 + i] for i in range(3)]
+    keys = itertools.chain((((1, slot), i) for slot, i in enumerate(range(3))), (((2, k), 0) for k in itertools.count()))
+    params = SamplingParams(n=2, max_new_tokens=40, stop_token_ids=(2,), seed=5)
+    settings = MultiTurnSettings(max_turns=4, max_turn_tokens=6, budget=40, tool_timeout_s=2.0, max_observation_tokens=8,
+                                 segment=2)
+    worker = ConversationWorker(engine, lambda i: prompts[i], keys, params, settings, env_conversation, None, EchoEnv,
+                                lambda key, version: key[0] == 1, 0, BusyClock(), BusyClock())
+    try:
+        deadline = time.monotonic() + 30
+        while engine.calls < 2 and time.monotonic() < deadline:  # the second round is running
+            time.sleep(0.01)
+        with worker.paused():
+            worker.version = 1
+        groups = worker.take([(1, 0), (1, 1), (1, 2)])
+    finally:
+        worker.stop()
+    convs = [c for g in groups for c in g]
+    task = type(make_task("copy_last", 1))("t", prompts, [3, 3, 3])
+    ref = reference(task, [c.prompt_index for c in convs], engine.answered)
+    for c in convs:
+        assert ref.pop(tuple(c.prompt + c.tokens))[0] == c.loss_mask
+        first_turn = [v for v, m in zip(c.versions, c.loss_mask) if m][:6]
+        assert first_turn == [0, 0, 0, 0, 1, 1]  # cut after two pieces, finished under the new weights
+        assert c.reward == c.turns / 4 and c.turns >= 2  # ended by its environment
