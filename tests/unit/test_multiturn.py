@@ -239,3 +239,25 @@ def test_a_turn_cut_by_a_sync_goes_on_under_the_new_weights():
         first_turn = [v for v, m in zip(c.versions, c.loss_mask) if m][:6]
         assert first_turn == [0, 0, 0, 0, 1, 1]  # cut after two pieces, finished under the new weights
         assert c.reward == c.turns / 4 and c.turns >= 2  # ended by its environment
+
+
+async def two_turns(ctx, conv):
+    """A custom per-sample rollout (rollout.generate_fn): a 3-token turn, a note, a free turn."""
+    first = await ctx.generate(conv, max_new_tokens=3)
+    conv.add_observation([OBS_BASE + 1, OBS_BASE + len(first)])
+    second = await ctx.generate(conv)
+    conv.reward = float(len(second))
+
+
+def test_a_custom_generate_function_replaces_the_environment_loop():
+    task, engine, batch, idx, score, metrics, _ = run_round(settings("rollout.generate_fn=tests.unit.test_multiturn:"
+                                                                     "two_turns", "rollout.env=null"))
+    ref = reference(task, idx, engine.answered)
+    for row in range(len(idx)):
+        full = tuple(batch["tokens"][row][batch["attention_mask"][row].bool()].tolist())
+        mask, _ = ref.pop(full)
+        assert batch["response_mask"][row, :len(mask)].tolist() == mask
+        first = mask.index(0)  # the first turn's length, then the function's 2-token note, then the second turn
+        assert 1 <= first <= 3 and mask[first:first + 2] == [0, 0] and all(mask[first + 2:])
+        assert score[row] == len(mask) - first - 2  # the reward the function set: the second turn's length
+    assert metrics["multiturn/turns_mean"] == 2 and metrics["multiturn/observation_tokens_mean"] == 2
