@@ -53,7 +53,7 @@ class ScriptedEngine:
 
 class EchoEnv:
     """Answers each turn with [OBS_BASE + len(turn), OBS_BASE + first id % 7]; done after 2 to 4 turns
-    (from the seed); reward = turns taken / 4. prompt 0 raises, prompt 1 hangs, prompt 2 floods,
+    (from the seed; odd prompts: 3); reward = turns taken / 4. prompt 0 raises, prompt 1 hangs, prompt 2 floods,
     at their second step, when `misbehave` is set."""
 
     stop_token_ids = (STOP,)
@@ -62,7 +62,8 @@ class EchoEnv:
         self.misbehave, self.turns = misbehave, 0
 
     async def reset(self, sample):
-        self.sample, self.last = sample, 2 + (sample.seed or 0) % 3
+        # odd prompts' conversations all take 3 turns: groups with one score, for dynamic sampling to drop
+        self.sample, self.last = sample, 3 if sample.prompt_index % 2 else 2 + (sample.seed or 0) % 3
         return [OBS_BASE + 500 + sample.prompt_index]  # an opening observation
 
     async def step(self, turn):
@@ -261,3 +262,24 @@ def test_a_custom_generate_function_replaces_the_environment_loop():
         assert 1 <= first <= 3 and mask[first:first + 2] == [0, 0] and all(mask[first + 2:])
         assert score[row] == len(mask) - first - 2  # the reward the function set: the second turn's length
     assert metrics["multiturn/turns_mean"] == 2 and metrics["multiturn/observation_tokens_mean"] == 2
+
+
+def test_dynamic_sampling_keeps_or_drops_whole_conversations():
+    """DAPO's filter on conversation scores: a group whose conversations all scored alike is dropped
+    whole and refilled; the step still holds train_batch_size groups of whole conversations."""
+    from mcore_rl.dynamic_sampling import sample_step_batch
+
+    cfg = settings("algorithm.filter_groups.enable=true", "data.train_batch_size=4", "data.gen_batch_size=4",
+                   "actor.ppo_mini_batch_size=4", "rollout.return_routed_experts=false")
+    task = type(make_task("copy_last", 1))("t", [[1, 3 + i, 40 + i, 500 + i] for i in range(16)], [3] * 16)
+    engine = ScriptedEngine()
+    batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, task, [0, 1, 2, 3], seed=7)
+    assert len(idx) == 16 and "multiturn/turns_mean" in metrics
+    assert metrics["train/num_gen_batches"] >= 2  # odd prompts' groups dropped, refilled from further prompts
+    assert {0, 2} <= set(idx) and all(i % 2 == 0 for i in idx)
+    for g in range(4):
+        assert len(set(score[4 * g:4 * g + 4].tolist())) > 1  # every kept group varies
+    ref = reference(task, idx, engine.answered)
+    for row in range(len(idx)):  # each row a whole conversation of the engine's
+        full = tuple(batch["tokens"][row][batch["attention_mask"][row].bool()].tolist())
+        assert batch["response_mask"][row, :len(ref[full][0])].tolist() == ref[full][0]
