@@ -97,7 +97,7 @@ def run_round(cfg, prompts=(0, 1, 2, 3, 4)):
     return task, engine, batch, idx, score, rounds.metrics(), time.perf_counter() - t
 
 
-def reference(task, idx, answered):
+def reference(task, answered):
     """{full sequence: (response mask, log-probs)} of every conversation, from the engine's answers
     alone: a conversation's requests each extend the one before by its output (and what the
     environment said), so chaining them gives its tokens, and the outputs' places its mask."""
@@ -107,7 +107,7 @@ def reference(task, idx, answered):
         full = prompt + tuple(c.token_ids)
         if any(len(p) > len(full) and p[:len(full)] == full for p in by_prompt):
             continue  # not the conversation's last request
-        start = next(len(task.prompts[i]) for i in set(idx) if tuple(task.prompts[i]) == full[:len(task.prompts[i])])
+        start = next(len(p) for p in task.prompts if tuple(p) == full[:len(p)])
         mask, logps = [0] * (len(full) - start), [0.0] * (len(full) - start)
         for p, pc in answered:
             if full[:len(p) + len(pc.token_ids)] == p + tuple(pc.token_ids):
@@ -119,7 +119,7 @@ def reference(task, idx, answered):
 
 def test_trained_tokens_and_masks_equal_the_engines_own_output():
     task, engine, batch, idx, score, metrics, _ = run_round(settings())
-    ref = reference(task, idx, engine.answered)
+    ref = reference(task, engine.answered)
     assert len(ref) == len(idx) == batch["tokens"].shape[0] == 20
     R = batch["response_mask"].shape[1]
     for row in range(len(idx)):
@@ -234,7 +234,7 @@ def test_a_turn_cut_by_a_sync_goes_on_under_the_new_weights():
         worker.stop()
     convs = [c for g in groups for c in g]
     task = type(make_task("copy_last", 1))("t", prompts, [3, 3, 3])
-    ref = reference(task, [c.prompt_index for c in convs], engine.answered)
+    ref = reference(task, engine.answered)
     for c in convs:
         assert ref.pop(tuple(c.prompt + c.tokens))[0] == c.loss_mask
         first_turn = [v for v, m in zip(c.versions, c.loss_mask) if m][:6]
@@ -253,7 +253,7 @@ async def two_turns(ctx, conv):
 def test_a_custom_generate_function_replaces_the_environment_loop():
     task, engine, batch, idx, score, metrics, _ = run_round(settings("rollout.generate_fn=tests.unit.test_multiturn:"
                                                                      "two_turns", "rollout.env=null"))
-    ref = reference(task, idx, engine.answered)
+    ref = reference(task, engine.answered)
     for row in range(len(idx)):
         full = tuple(batch["tokens"][row][batch["attention_mask"][row].bool()].tolist())
         mask, _ = ref.pop(full)
@@ -279,7 +279,7 @@ def test_dynamic_sampling_keeps_or_drops_whole_conversations():
     assert {0, 2} <= set(idx) and all(i % 2 == 0 for i in idx)
     for g in range(4):
         assert len(set(score[4 * g:4 * g + 4].tolist())) > 1  # every kept group varies
-    ref = reference(task, idx, engine.answered)
+    ref = reference(task, engine.answered)
     for row in range(len(idx)):  # each row a whole conversation of the engine's
         full = tuple(batch["tokens"][row][batch["attention_mask"][row].bool()].tolist())
         assert batch["response_mask"][row, :len(ref[full][0])].tolist() == ref[full][0]
