@@ -224,7 +224,10 @@ async def env_conversation(ctx: TurnContext, conv: Conversation) -> None:
     try:
         first = await ctx.tool(conv, env.reset(SampleInfo(conv.prompt_index, tuple(conv.prompt), conv.seed,
                                                           ctx.tokenizer)), "env.reset")
-        conv.add_observation(ctx.observation_ids(first)[:max(0, conv.room(s.budget) - 1)])
+        first = ctx.observation_ids(first)
+        if conv.room(s.budget) - len(first) < 1:  # no room left for a model turn
+            return
+        conv.add_observation(first)
         for turn in range(s.max_turns):
             model_turn = await ctx.generate(conv, stop_token_ids=stop)
             if not model_turn:
