@@ -393,11 +393,7 @@ def _check_multiturn(cfg: Config, errors: list[str]) -> None:
         module, sep, name = (spec or "").partition(":")
         if spec is not None and not (sep and module and name):
             errors.append(f"rollout.{key}: {spec!r} must be package.module:name")
-    if not (r.env or r.generate_fn):
-        return
-    if r.engine == "embedded":
-        errors.append("rollout.env / rollout.generate_fn: multi-turn rollouts run on rollout.engine sglang or vllm")
-    if r.max_turn_tokens is not None and r.max_turn_tokens > r.max_response_len:
+    if (r.env or r.generate_fn) and r.max_turn_tokens is not None and r.max_turn_tokens > r.max_response_len:
         errors.append(f"rollout.max_turn_tokens = {r.max_turn_tokens} > rollout.max_response_len = "
                       f"{r.max_response_len} (which bounds the whole conversation)")
 

@@ -99,9 +99,6 @@ CASES = [
     # multi-turn rollouts (mcore_rl.rollout.multiturn)
     Case("env not module:Class", CONFIG[:3], ("rollout.env=SecretLookupEnv",),
          "rollout.env: 'SecretLookupEnv' must be package.module:name"),
-    Case("env on the embedded engine", CONFIG[:3], ("rollout.env=mcore_rl.envs.lookup:SecretLookupEnv",
-                                                    "rollout.engine=embedded"),
-         "multi-turn rollouts run on rollout.engine sglang or vllm"),
     Case("env module missing", RUN, ("rollout.env=no_such_pkg.envs:Env",),
          "rollout.env: cannot import 'no_such_pkg.envs' (ModuleNotFoundError"),
     Case("env class missing", RUN, ("rollout.env=mcore_rl.envs.lookup:NoSuchEnv",),
