@@ -19,8 +19,10 @@ score of the last model turn.
 A tool that raises, takes longer than `rollout.tool_timeout_s`, or answers with more than
 `rollout.max_observation_tokens` tokens ends its own conversation with `rollout.tool_failure_reward`
 (counted in `multiturn/tool_failures_*`); the others go on. Environment coroutines share one event
-loop: a step that blocks (no await) holds every conversation up, so blocking work belongs in a
-subprocess or `asyncio.to_thread` (`mcore_rl/envs/code_exec.py` runs code in a subprocess).
+loop: a coroutine that blocks (no await) holds every conversation up, so blocking work belongs in a
+subprocess or `asyncio.to_thread` (`mcore_rl/envs/code_exec.py` runs code in a subprocess). Plain
+(not async) reset/step methods are run in threads of their own; one that hangs past the timeout
+ends its conversation, and its thread is left to finish.
 
 `rollout.generate_fn: package.module:function` replaces the whole per-sample rollout, as slime's
 custom generate function: `async def fn(ctx: TurnContext, conv: Conversation) -> None`, which
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -216,14 +219,43 @@ class TurnContext:
         return ids
 
 
+def _call(method, *args) -> Awaitable:
+    """An environment method's coroutine; a plain (blocking) method runs in a thread of its own (not a
+    pool's: a hung call would hold a worker the others wait for), so that it holds up no other
+    conversation and its timeout still ends its own."""
+    return method(*args) if inspect.iscoroutinefunction(method) else _in_thread(method, *args)
+
+
+async def _in_thread(fn, *args):
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():  # not cancelled by its timeout meanwhile
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run():
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting conversation
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the pool's loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="env-call", daemon=True).start()
+    return await future
+
+
 async def env_conversation(ctx: TurnContext, conv: Conversation) -> None:
     """The default conversation: reset, then model turn / environment step until done."""
     s = ctx.settings
     env = ctx.make_env()
     stop = tuple(getattr(env, "stop_token_ids", ()) or ())
     try:
-        first = await ctx.tool(conv, env.reset(SampleInfo(conv.prompt_index, tuple(conv.prompt), conv.seed,
-                                                          ctx.tokenizer)), "env.reset")
+        first = await ctx.tool(conv, _call(env.reset, SampleInfo(conv.prompt_index, tuple(conv.prompt), conv.seed,
+                                                                ctx.tokenizer)), "env.reset")
         first = ctx.observation_ids(first)
         if conv.room(s.budget) - len(first) < 1:  # no room left for a model turn
             return
@@ -232,7 +264,7 @@ async def env_conversation(ctx: TurnContext, conv: Conversation) -> None:
             model_turn = await ctx.generate(conv, stop_token_ids=stop)
             if not model_turn:
                 break
-            result = await ctx.tool(conv, env.step(list(model_turn)), "env.step")
+            result = await ctx.tool(conv, _call(env.step, list(model_turn)), "env.step")
             result = result if isinstance(result, StepResult) else StepResult(*result)
             if result.reward is not None:
                 conv.reward = float(result.reward)

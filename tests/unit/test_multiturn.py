@@ -283,3 +283,24 @@ def test_dynamic_sampling_keeps_or_drops_whole_conversations():
     for row in range(len(idx)):  # each row a whole conversation of the engine's
         full = tuple(batch["tokens"][row][batch["attention_mask"][row].bool()].tolist())
         assert batch["response_mask"][row, :len(ref[full][0])].tolist() == ref[full][0]
+
+
+class BlockingEnv(EchoEnv):
+    """EchoEnv with plain (blocking) methods; prompt 1's second step sleeps past the timeout."""
+
+    def reset(self, sample):
+        return asyncio.run(super().reset(sample))
+
+    def step(self, turn):
+        if self.turns == 1 and self.sample.prompt_index == 1:
+            time.sleep(3)
+        return asyncio.run(super().step(turn))
+
+
+def test_a_blocking_plain_method_holds_up_only_its_own_conversation():
+    _, _, batch, idx, score, metrics, seconds = run_round(settings("rollout.env=tests.unit.test_multiturn:BlockingEnv"))
+    _, _, _, _, base_score, _, _ = run_round(settings())
+    assert metrics["multiturn/tool_failures_timeout"] == 4 and metrics["multiturn/tool_failures"] == 4
+    assert seconds < 2.5  # the 4 sleeping steps ran side by side, in threads, and were cut at 0.5 s
+    assert [s for s, i in zip(score.tolist(), idx) if i != 1] == [s for s, i in zip(base_score.tolist(), idx) if i != 1]
+    assert all(s == -1.0 for s, i in zip(score.tolist(), idx) if i == 1)
