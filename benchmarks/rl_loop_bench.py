@@ -74,6 +74,9 @@ def at_peak(step: dict) -> dict:
 MODE_ARGS = {"sync": (), "one_step_off": ("trainer.mode=one_step_off",),
              "fully_async": ("trainer.mode=fully_async", "trainer.partial_rollout_tokens=8")}
 STEP_KEYS = ("time", "timing/", "sync/seconds", "async/", "perf/samples_per_s", "response/length")
+MULTITURN = ("multiturn/turns_mean", "multiturn/tool_calls_mean", "multiturn/observation_tokens_mean",
+             "multiturn/tool_failures", "multiturn/prefix_cache_hit_rate", "timing/rollout_generate",
+             "timing/rollout_tools")
 MODE_METRICS = ("async/staleness_mean", "async/staleness_max", "async/partial_fraction", "async/engine_idle_fraction",
                 "async/trainer_idle_fraction", "response/length")
 
@@ -305,7 +308,9 @@ def main() -> int:
                                      if k >= 1},
                   memory_per_step={k: {**{m: s.get(m) for m in MEMORY}, **at_peak(s)} for k, s in sorted(steps.items())
                                    if k >= 1},
-                  memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}))
+                  memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}),
+                  # conversations (rollout.env): turns, tool calls and failures, prefix-cache hits, time in tools
+                  multiturn={k: med(k) for k in MULTITURN if med(k) is not None})
     write_json(result, a.out)
     print(f"{'phase':<28}{'median s':>14}")
     for k, v in result["phases_s"].items():
@@ -315,6 +320,8 @@ def main() -> int:
               "route_agreement"):
         v = result[k]
         print(f"{k:<28}{'not measured' if v is None else round(v, 4):>14}")
+    for k, v in result["multiturn"].items():
+        print(f"{k.split('/', 1)[1]:<28}{round(v, 4):>14}")
     print(f"\n{'memory, max of steps 2..N':<32}{'measured':>14}{'planned GiB':>14}")
     for m in MEMORY:
         v, ph = memory_max[m], m.rsplit("_", 1)[-1]

@@ -138,6 +138,23 @@ class RolloutConfig(Section):
     weight_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
         "fp8: the engine's linear weights are DeepSeek-V3's block FP8 (e4m3, a scale per 128 x 128 block), quantized "
         "in each sync; training stays in model.dtype. Turns token TIS on by default (ppo.correction_settings). SGLang"))
+    env: str | None = Field(None, description=(
+        "multi-turn rollouts: package.module:Class of the environment, built per conversation (async reset(sample), "
+        "step(model_turn) -> (observation, reward, done); mcore_rl/rollout/multiturn.py, README 'Multi-turn rollouts')"))
+    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of rollout.env's class")
+    generate_fn: str | None = Field(None, description=(
+        "package.module:function, an async per-sample rollout replacing the environment loop (slime's custom "
+        "generate): fn(ctx: TurnContext, conv: Conversation)"))
+    max_turns: int = Field(4, ge=1, description="model turns of a conversation at most")
+    max_turn_tokens: int | None = Field(None, ge=1, description=(
+        "tokens of one model turn at most; null: what is left of max_response_len, which bounds the whole "
+        "conversation's response (model and environment tokens)"))
+    tool_timeout_s: float = Field(30.0, gt=0, description=(
+        "an environment call (reset, step) taking longer ends its conversation with tool_failure_reward"))
+    max_observation_tokens: int = Field(1024, ge=1, description=(
+        "an observation longer than this ends its conversation with tool_failure_reward"))
+    tool_failure_reward: float = Field(0.0, description=(
+        "the score of a conversation whose tool raised, timed out or flooded (multiturn/tool_failures_*)"))
     fp8_kernels: Literal["triton", "deep_gemm", "deep_gemm_moe"] = Field("triton", description=(
         "weight_dtype=fp8 on GPUs: the engine's block-FP8 GEMMs. triton: SGLang's triton kernels, dense and fused MoE. "
         "deep_gemm: the dense GEMMs on DeepGEMM's JIT kernels (Hopper; sgl-deep-gemm installed), the fused MoE on "

@@ -440,6 +440,18 @@ def inert_options(cfg: Config) -> list[str]:
             for key, acts, when in _CONDITIONAL if _was_set(cfg, key) and not acts(cfg)]
 
 
+def _check_multiturn(cfg: Config, errors: list[str]) -> None:
+    r = cfg.rollout
+    for key in ("env", "generate_fn"):
+        spec = getattr(r, key)
+        module, sep, name = (spec or "").partition(":")
+        if spec is not None and not (sep and module and name):
+            errors.append(f"rollout.{key}: {spec!r} must be package.module:name")
+    if (r.env or r.generate_fn) and r.max_turn_tokens is not None and r.max_turn_tokens > r.max_response_len:
+        errors.append(f"rollout.max_turn_tokens = {r.max_turn_tokens} > rollout.max_response_len = "
+                      f"{r.max_response_len} (which bounds the whole conversation)")
+
+
 def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | None] | dict | None = None,
                     available_gpus: int | None = None) -> Config:
     """Cross-check the sections; raises ConfigError listing every problem. Fills derived defaults.
@@ -465,6 +477,7 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     _check_corrections(cfg, errors)
     _check_fp8(cfg, errors, hf if sound else None)
     _check_direct_load(cfg, errors, hf if sound else None)
+    _check_multiturn(cfg, errors)
     if errors:
         raise ConfigError(errors)
     if cfg.rollout.max_prompt_len is None:

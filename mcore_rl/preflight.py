@@ -40,12 +40,29 @@ def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: str | None = N
         from mcore_rl.rollout_dump import check_replay
 
         check_replay(replay, C.hf_model_dims(cfg.model))
+    _check_multiturn_code(cfg)
     tokenizer_here = _check_model_files(cfg, dry_run)
     _warn_unread_hf_keys(cfg.model)
     engine_kwargs.check_known(cfg.rollout.engine, cfg.rollout.engine_kwargs, cfg.cluster.device)
     for line in C.inert_options(cfg):
         print(line, file=sys.stderr, flush=True)
     return Inputs(None, None) if replay else _prompt_sources(cfg, tokenize=tokenizer_here)
+
+
+def _check_multiturn_code(cfg: C.Config) -> None:
+    """rollout.env is an importable class and rollout.generate_fn an importable async function."""
+    import inspect
+
+    from mcore_rl.rollout.multiturn import load_object
+
+    r = cfg.rollout
+    try:
+        if r.env and not inspect.isclass(env := load_object(r.env, "rollout.env")):
+            raise ValueError(f"rollout.env: {r.env!r} is a {type(env).__name__}, not a class")
+        if r.generate_fn and not inspect.iscoroutinefunction(fn := load_object(r.generate_fn, "rollout.generate_fn")):
+            raise ValueError(f"rollout.generate_fn: {r.generate_fn!r} is not an async function ({type(fn).__name__})")
+    except ValueError as e:
+        raise BadInput(str(e)) from None
 
 
 def check_dir_to_write(where: str, key: str) -> str:

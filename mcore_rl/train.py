@@ -265,6 +265,7 @@ def _mean(stats: list[dict]) -> dict:
 
 def validate(cfg, engine, source) -> dict:
     from mcore_rl import ppo
+    from mcore_rl.rollout.multiturn import validation_scores
 
     idx = list(range(len(source.prompts)))
     size = cfg.data.val_batch_size or len(idx)
@@ -272,8 +273,8 @@ def validate(cfg, engine, source) -> dict:
     scores = []
     for s in range(0, len(idx), size):
         chunk = [i for i in idx[s:s + size] for _ in range(n)]
-        batch = ppo.rollout(engine, source, chunk, ppo.sampling_params(cfg, source, 0, validation=True))
-        scores.append(ppo.scores(source, chunk, batch))
+        params = ppo.sampling_params(cfg, source, 0, validation=True)
+        scores.append(validation_scores(cfg, engine, source, chunk, params))
     return {"val/reward": torch.cat(scores).mean().item()}
 
 

@@ -303,7 +303,8 @@ class SGLangServer:
                 experts = decode_routes(meta, len(r.prompt) + len(o["output_ids"]) - 1, *self.route_shape,
                                         f"SGLang {self.version} node {self.node_rank}")
             done.append(Completion(list(o["output_ids"]), [lp[0] for lp in meta["output_token_logprobs"]],
-                                   "stop" if reason == "stop" else "length", experts))
+                                   "stop" if reason == "stop" else "length", experts,
+                                   cached_tokens=meta.get("cached_tokens")))
         return done
 
     # ---- weight updates (the WeightTarget entry points, for this engine) ---------------------------

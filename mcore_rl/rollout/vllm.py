@@ -112,11 +112,12 @@ def sampling_params(r: Request):
                           detokenize=False)
 
 
-def completion(out) -> Completion:
-    """A vLLM CompletionOutput -> Completion (the log-prob of each sampled token)."""
+def completion(out, cached_tokens: int | None = None) -> Completion:
+    """A vLLM CompletionOutput -> Completion (the log-prob of each sampled token); cached_tokens: its
+    RequestOutput's num_cached_tokens (prefix-cache hits)."""
     tokens = list(out.token_ids)
     return Completion(tokens, [step[t].logprob for step, t in zip(out.logprobs, tokens)],
-                      "stop" if out.finish_reason == "stop" else "length")
+                      "stop" if out.finish_reason == "stop" else "length", cached_tokens=cached_tokens)
 
 
 class VLLMServer:
@@ -187,7 +188,7 @@ class VLLMServer:
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         outs = self._watched("generate", self.llm.generate, prompts, [sampling_params(r) for r in requests],
                              use_tqdm=False)
-        return [completion(o.outputs[0]) for o in outs]
+        return [completion(o.outputs[0], getattr(o, "num_cached_tokens", None)) for o in outs]
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The log-prob of each token of each sequence after its prefix (untempered): len - 1 values."""

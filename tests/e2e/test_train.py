@@ -20,8 +20,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _train(out, *overrides, env=None, **popen):
-    cmd = [sys.executable, "-m", "mcore_rl.train", "--config", "configs/tiny_cpu.yaml",
+def _train(out, *overrides, env=None, config="configs/tiny_cpu.yaml", **popen):
+    cmd = [sys.executable, "-m", "mcore_rl.train", "--config", config,
            f"trainer.output_dir={out}", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **(env or {})), **popen)
