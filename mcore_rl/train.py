@@ -635,11 +635,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a file the run writes (metrics, dumps) on a full or read-only disk
         print(f"error: {message(e)}; {resume_hint()}", file=sys.stderr, flush=True)
         return 1
-    except BaseException:  # noqa: BLE001 - a stop by signal, whatever it interrupted: one line
-        if PROGRESS["signal"] is None:
-            raise
-        print(stopped_line(), file=sys.stderr, flush=True)
-        return 128 + getattr(__import__("signal"), PROGRESS["signal"])
     except EngineError as e:  # an engine died or hung mid-run (its message names it): rerunning resumes
         cause = getattr(e, "cause", None) or e  # met by a trainer rank in a weight sync: Ray wraps it
         print(f"error: {cause}; the same command resumes from the last checkpoint", file=sys.stderr)
@@ -649,6 +644,11 @@ def main(argv: list[str] | None = None) -> int:
             print(e.plan.table())
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except BaseException:  # noqa: BLE001 - last: a stop by signal, whatever it interrupted: one line
+        if PROGRESS["signal"] is None:
+            raise
+        print(stopped_line(), file=sys.stderr, flush=True)
+        return 128 + getattr(__import__("signal"), PROGRESS["signal"])
     print(f"done in {time.perf_counter() - t0:.0f}s: " + json.dumps({k: round(v, 4) for k, v in m.items()
                                                                     if k.startswith(("reward", "val"))}))
     return 0

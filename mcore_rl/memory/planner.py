@@ -394,10 +394,10 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
 
     P = i.capacity - sum(always.values()) - sum(residue.values()) - sum(pinned.values())
     if i.mem_fraction_static is None:
-        f = min(0.95, math.floor((P - graphs * (not pinned) - act_engine) / max(P, 1) * 100) / 100)
+        f = max(0.0, min(0.95, math.floor((P - graphs * (not pinned) - act_engine) / max(P, 1) * 100) / 100))
     else:
         f = i.mem_fraction_static
-    kv = max(0, int(f * P) - w_engine)
+    kv = max(0, int(f * max(P, 0)) - w_engine)  # a GPU smaller than what is always reserved: no KV at all
     per_token = kv_bytes_per_token(hf, i.rollout_tp)
     phases = {
         "train": {**always, **pinned, **train},

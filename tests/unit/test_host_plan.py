@@ -129,5 +129,5 @@ def test_cli_prints_the_host_table_and_refuses_a_small_node():
     # a dry run reads the data files as the run would; the config's gsm8k files are not made here
     dry = run("mcore_rl.train", "--dry-run", "cluster.host_memory_gb=100", "data.train_files=[]", "data.val_files=[]",
               "data.task=copy_last")
-    assert dry.returncode == 0, dry.stderr
+    assert dry.returncode == 1, dry.stderr  # a dry run exits as the run would: the plan is refused
     assert "memory plan REFUSED: host memory plan refused: node 0 is short by" in dry.stdout
