@@ -118,10 +118,11 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_ini
                 chunked_prefill_size=r.chunked_prefill_size, log_level=r.log_level)
     if dist_init_addr:
         args["dist_init_addr"] = dist_init_addr
-    if r.weight_dtype == "fp8":  # the files hold bf16 weights; FP8 layers get theirs from the first sync
+    # the files hold bf16 weights, FP8 layers get theirs from the first sync; or there are no files
+    if r.weight_dtype == "fp8" or not model_files.has_weights(model_dir):
         args["load_format"] = "dummy"
-        if r.fp8_kernels == "deep_gemm_moe":  # SGLang's auto picks DeepGEMM's MoE runner only with DeepEP
-            args["moe_runner_backend"] = "deep_gemm"
+    if r.weight_dtype == "fp8" and r.fp8_kernels == "deep_gemm_moe":  # SGLang's auto picks it only with DeepEP
+        args["moe_runner_backend"] = "deep_gemm"
     if C.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
@@ -200,6 +201,8 @@ def sampling_dict(r: Request) -> dict:
     p = r.params
     out = {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
            "stop_token_ids": list(p.stop_token_ids), "n": 1}
+    if p.ignore_eos:  # SGLang's flag also drops stop_token_ids: every response runs to max_new_tokens
+        out["ignore_eos"] = True
     if p.seed is not None:
         out["sampling_seed"] = p.seed
     return out
@@ -300,7 +303,8 @@ class SGLangServer:
                 experts = decode_routes(meta, len(r.prompt) + len(o["output_ids"]) - 1, *self.route_shape,
                                         f"SGLang {self.version} node {self.node_rank}")
             done.append(Completion(list(o["output_ids"]), [lp[0] for lp in meta["output_token_logprobs"]],
-                                   "stop" if reason == "stop" else "length", experts))
+                                   "stop" if reason == "stop" else "length", experts,
+                                   cached_tokens=meta.get("cached_tokens")))
         return done
 
     # ---- weight updates (the WeightTarget entry points, for this engine) ---------------------------

@@ -61,6 +61,8 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, mem_fraction: float) -> 
                 seed=cfg.trainer.seed, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                 worker_extension_cls=WORKER_EXTENSION,
                 distributed_executor_backend="mp")  # its own worker processes: inside a Ray actor it would pick Ray
+    if not model_files.has_weights(model_dir):  # an embedded config's: the first sync brings the weights
+        args["load_format"] = "dummy"
     if cfg.cluster.device == "cpu":
         from mcore_rl.memory.planner import kv_bytes_per_token
         from mcore_rl.models.config import HFModel
@@ -110,11 +112,12 @@ def sampling_params(r: Request):
                           detokenize=False)
 
 
-def completion(out) -> Completion:
-    """A vLLM CompletionOutput -> Completion (the log-prob of each sampled token)."""
+def completion(out, cached_tokens: int | None = None) -> Completion:
+    """A vLLM CompletionOutput -> Completion (the log-prob of each sampled token); cached_tokens: its
+    RequestOutput's num_cached_tokens (prefix-cache hits)."""
     tokens = list(out.token_ids)
     return Completion(tokens, [step[t].logprob for step, t in zip(out.logprobs, tokens)],
-                      "stop" if out.finish_reason == "stop" else "length")
+                      "stop" if out.finish_reason == "stop" else "length", cached_tokens=cached_tokens)
 
 
 class VLLMServer:
@@ -185,7 +188,7 @@ class VLLMServer:
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         outs = self._watched("generate", self.llm.generate, prompts, [sampling_params(r) for r in requests],
                              use_tqdm=False)
-        return [completion(o.outputs[0]) for o in outs]
+        return [completion(o.outputs[0], getattr(o, "num_cached_tokens", None)) for o in outs]
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The log-prob of each token of each sequence after its prefix (untempered): len - 1 values."""
