@@ -95,7 +95,7 @@ def run_loop(config: str, overrides: list[str], out: str, logs: str | None = Non
     """The loop's metrics by step, its whole-run peaks (GPU; host RSS of the loop's process tree,
     which on a local Ray run holds the raylet, actors and engines) and its start-up (each phase's
     seconds and the seconds to step 1, `console.start_record`). logs: where the run's engine logs
-    (`out`/logs) are copied when it ends, failed or cut (SIGTERM, as `timeout` sends) too."""
+    (`out`/logs) and its metrics.jsonl are copied when it ends, failed or cut (SIGTERM, as `timeout` sends) too."""
     from mcore_rl.console import start_record
     from mcore_rl.memory.monitor import PhaseMonitor
 
@@ -121,8 +121,12 @@ def run_loop(config: str, overrides: list[str], out: str, logs: str | None = Non
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
-        if logs and os.path.isdir(os.path.join(out, "logs")):
-            shutil.copytree(os.path.join(out, "logs"), logs, dirs_exist_ok=True)
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+            if os.path.isdir(os.path.join(out, "logs")):
+                shutil.copytree(os.path.join(out, "logs"), logs, dirs_exist_ok=True)
+            if os.path.exists(os.path.join(out, "metrics.jsonl")):  # what a cut run measured
+                shutil.copy(os.path.join(out, "metrics.jsonl"), logs)
     if p.returncode:
         sys.exit("the RL loop failed:\n" + "".join(tail)[-4000:])
     return records_by_step(os.path.join(out, "metrics.jsonl")), mon.take(), start_record(start)
@@ -231,8 +235,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--logs", help="copy the run's engine logs (logs/engine_<k>_node<n>.log) to this directory "
-                                   "when it ends, however it ends")
+    ap.add_argument("--logs", help="copy the run's engine logs (logs/engine_<k>_node<n>.log) and metrics.jsonl to "
+                                   "this directory when it ends, however it ends")
     ap.add_argument("--no-engine-alone", action="store_true",
                     help="skip the engine-alone measurement (reported as not measured)")
     ap.add_argument("--modes", help="comma-separated trainer modes (sync,one_step_off,fully_async) to compare "

@@ -63,13 +63,13 @@ def _hidden_states(server):
 
 def test_engine_kwargs_reach_the_engine(tp2, ds_two):
     """rollout.engine_kwargs.enable_return_hidden_states (tp2's config): that engine answers a request for
-    hidden states with one 64-wide row a token; ds_two, started without it, refuses the same request."""
+    hidden states with a 64-wide row for each token it generates; ds_two, started without it, refuses."""
     import numpy as np
     import pytest
 
     hidden = tp2.ray.get(tp2.heads[0].__ray_call__.remote(_hidden_states))
     rows = np.concatenate([np.asarray(h, dtype=np.float32).reshape(-1, 64) for h in hidden])
-    assert len(rows) >= 3 and np.isfinite(rows).all() and np.abs(rows).sum() > 0, rows.shape
+    assert rows.shape == (2, 64) and np.isfinite(rows).all() and np.abs(rows).sum() > 0, rows.shape  # a row a token out
     with pytest.raises(Exception, match="not configured to return hidden states"):
         ds_two.ray.get(ds_two.heads[0].__ray_call__.remote(_hidden_states))
     assert all(h["alive"] for h in ds_two.health())
