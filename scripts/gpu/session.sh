@@ -157,6 +157,12 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
       timeout "${LIMIT:-590}" python3 benchmarks/hidden_gap.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
         --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay rollout.tp_size=1 rollout.ep_size=1 \
         "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/hidden_gap${TAG:-}.log" | tail -75 ;;
+    loopx)  # the loop on CONFIG with EXTRA_OVERRIDES as given, as NAME; RAYLETS=NxG runs it over N raylets of G GPUs
+      # (the engine's nnodes=N when its TP spans them), e.g. the 2 x H200 engine layouts at the depth that fits there
+      RUN=(); [ -n "${RAYLETS:-}" ] && RUN=(python3 scripts/gpu/raylets.py --nodes "${RAYLETS%x*}" --gpus-per-node "${RAYLETS#*x}" --)
+      timeout "${LIMIT:-590}" "${RUN[@]}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+        --out "$OUT/${NAME:-loopx}.json" --logs "$OUT/${NAME:-loopx}_logs" --no-engine-alone "${EXTRA[@]}" 2>&1 | quiet \
+        | tee "$OUT/${NAME:-loopx}.log" | tail -60 ;;
     loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
