@@ -97,7 +97,8 @@ class MemoryMoves:
         if not self._moves_states():
             return 0
         off = self._offloaders()
-        moved = off["others"].offload() + off["optimizer"].offload() + off["grads"].offload()
+        # the grads first: the offloaders' empty_cache then gives their freed blocks back to the engine too
+        moved = off["grads"].offload() + off["others"].offload() + off["optimizer"].offload()
         return moved + (off["weights"].offload() if weights else 0)
 
     def onload_states(self) -> None:
