@@ -169,7 +169,9 @@ def _masked_stats(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict:
 
 def data_metrics(batch: dict, score: torch.Tensor, rewards: torch.Tensor) -> dict:
     mask = batch["response_mask"]
+    lengths = mask.sum(1)
     out = {"critic/score/mean": score.mean().item(), "critic/rewards/mean": rewards.sum(1).mean().item(),
+           "response/length_max": lengths.max().item(), "response/length_min": lengths.min().item(),
            **_masked_stats("critic/advantages", batch["advantages"], mask),
            **_masked_stats("critic/returns", batch["returns"], mask)}
     if batch.get("values") is not None:

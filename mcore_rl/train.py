@@ -323,6 +323,8 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
                                       total_steps(cfg, train_task, engine), start)
             sync = rollout.sync
         phases = Phases(cfg, group, engine, sync, plan)
+        if plan is not None:  # the budgets the plot draws each phase's measured peak against
+            first.update(plan.metrics())
         with _torch_threads(1):
             return _loop(cfg, group, rollout, phases, train_task, val_task, run_dir, ckpt, start, state, first)
     finally:
@@ -377,14 +379,13 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     console = StepConsole(total, start) if short else None  # its clock starts with the first step
     if console and "val/reward" in before:
         console.note(f"validation reward before training: {before['val/reward']:.3f}")
-    if before:
+    if before:  # the first sync (and validation): a resumed run's adds to the step it resumed from
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
     for step in range(start + 1, total + 1):
         prompts = step_prompts(cfg, train_task, step) if train_task else []  # a replay trains on dumped batches
         metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
         ckpt.finish()  # a background save of the step before is complete once this step has trained
-        logger.log(metrics, step=step)  # before the checkpoint: a resumed run never lacks a saved step
         save = None
         if run_ckpt.saves_at(step, total, t.save_freq, t.save_last):
             saved = {"kl_coef": kl_ctrl.value} if kl_ctrl else {}
@@ -399,8 +400,10 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
             after.update(validate(cfg, engine, val_task))
             after["timing/validate"] = time.perf_counter() - t0
         after.update(phases.mon.take())  # this step's peaks: rollout, train, save, sync
-        logger.log(after, step=step)
         metrics.update(after)
+        logger.log(metrics, step=step)  # one record a step
+        if not ckpt.background:  # the checkpoint completes after its step's record: a resumed run never lacks it
+            ckpt.finish()
         if console:
             console.show(step, metrics)
     ckpt.finish()

@@ -219,6 +219,17 @@ class Plan:
         return {"weights": rollout["engine weights"],
                 "kv_cache": rollout["engine kv cache"] + (0 if pinned else rollout["engine cuda graphs"])}
 
+    def metrics(self) -> dict[str, float]:
+        """The plan as run metrics, in GiB: each phase's total per GPU, the GPU capacity and, when
+        planned, the fullest node's host memory and RAM (memory/*_peak_gib_* are the readings)."""
+        out = {f"plan/gpu_gib_{ph}": self.total(ph) / GiB for ph in PHASES}
+        out["plan/gpu_capacity_gib"] = self.inputs.capacity / GiB
+        if self.host is not None:
+            out["plan/host_gib"] = self.host.total(self.host.fullest) / GiB
+            if self.host.ram is not None:
+                out["plan/host_ram_gib"] = self.host.ram / GiB
+        return out
+
     def shortfalls(self) -> dict[str, int]:
         return {ph: self.total(ph) - self.inputs.capacity for ph in PHASES
                 if self.total(ph) > self.inputs.capacity}
