@@ -86,6 +86,7 @@ def run_config(args, name: str) -> dict:
     """The run's full config (as the trainer validates it): the actor's DP slice of the batch is one
     mini-batch, packed up to --budget tokens per micro-batch."""
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     mini = samples_per_rank(args, RUNS[name][2]) * args.gpus
     cfg = C.config_from_dict(C.apply_overrides({"model": {"hf_config": args.hf_cfg}}, [
@@ -96,7 +97,7 @@ def run_config(args, name: str) -> dict:
         "actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={args.budget}",
         f"data.max_prompt_length={args.prompt[1]}", f"rollout.max_response_len={args.response[1]}",
         *_overrides_of(args, name)]))
-    return C.to_dict(C.validate_config(cfg))
+    return C.to_dict(config_checks.validate_config(cfg))
 
 
 def _overrides_of(args, name: str) -> list[str]:
@@ -132,7 +133,7 @@ class MemoryProbe:
 def plan_inputs(actor, cfg: dict, tokens: int, responses: int) -> dict:
     """PlanInputs for this run, at the largest micro-batch the actor packed (its tokens and its
     response tokens): the planner runs in the parent, which can build megatron's unsharded skeleton."""
-    from mcore_rl.config import recompute_choice
+    from mcore_rl.config_checks import recompute_choice
 
     mode, layers, modules = recompute_choice(cfg["memory"])
     opts = actor._optim_options()
@@ -316,6 +317,7 @@ def parse(argv=None):
     if args.layers != args.hf_cfg["num_hidden_layers"]:
         args.layers = args.hf_cfg["num_hidden_layers"]
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     try:  # every run's config, checked before any process starts
         for n in names:

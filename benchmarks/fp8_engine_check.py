@@ -134,12 +134,13 @@ def main() -> int:
     a = ap.parse_args()
     os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"  # the loop's FP8 engines' default (rollout.fp8_kernels)
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     try:
         cfg = C.load_config(a.config, [f"model.hf_config.num_hidden_layers={a.layers}"] * bool(a.layers))
     except C.ConfigError as e:
         ap.error(str(e))
-    hf_config = C.hf_model_dims(cfg.model)
+    hf_config = config_checks.hf_model_dims(cfg.model)
     backend = cfg.rollout.attention_backend or "triton"
     work = tempfile.mkdtemp(prefix="fp8_check_")
     t0 = time.perf_counter()

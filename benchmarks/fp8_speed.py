@@ -236,12 +236,13 @@ def main() -> int:
     # compiled on first use instead, within the engine's start (start_s) and the warm-up call
     os.environ["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] = "0"
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     # the tile folder goes through the config: a folder without tiles is refused as in the loop
     try:
         cfg = C.load_config(a.config, [f"model.hf_config.num_hidden_layers={a.layers}"] * bool(a.layers)
                             + [f"rollout.moe_config_dir={a.moe_config_dir}"] * bool(a.moe_config_dir))
-        hf_config = C.hf_model_dims(cfg.model)
+        hf_config = config_checks.hf_model_dims(cfg.model)
         if a.routing == "spread":
             routing_weights({**hf_config, "num_hidden_layers": 0})  # an unknown family, before any engine
     except (C.ConfigError, ValueError) as e:

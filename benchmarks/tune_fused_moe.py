@@ -180,9 +180,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         p.error("tune_fused_moe times triton kernels: it needs a GPU")
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     cfg = C.load_config(a.config, a.overrides)
-    hf_config = C.hf_model_dims(cfg.model)
+    hf_config = config_checks.hf_model_dims(cfg.model)
     shape, batches = expert_shape(hf_config, cfg.rollout), [int(b) for b in a.batches.split(",")]
     t0 = time.perf_counter()
     results, files = {}, []

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 
 
 def staleness_metrics(token_versions: torch.Tensor, response_mask: torch.Tensor, trainer_version: int) -> dict:
@@ -237,7 +238,7 @@ class FullyAsync:
             return key[0] - 1 - version <= self.max_staleness
 
         # the engines' decode batch (SGLang's max_running_requests); the CPU engine takes any unless it is set
-        per_engine = cfg.rollout.max_running_requests if cfg.cluster.device == "cpu" else C.max_running_requests(cfg)
+        per_engine = cfg.rollout.max_running_requests if cfg.cluster.device == "cpu" else config_checks.max_running_requests(cfg)
         capacity = per_engine and per_engine * getattr(engine, "engines", 1)
         self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
                                     cfg.rollout.max_response_len, t.partial_rollout_tokens, may_start, start,

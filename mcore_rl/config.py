@@ -12,7 +12,6 @@ every key, as docs/config.md.
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
 import types
@@ -22,7 +21,8 @@ from typing import Annotated, Any, Callable, Literal, Union
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from mcore_rl.cli_errors import BAD_INPUT, BadInput, read_yaml_mapping, report, yaml_load
+from mcore_rl import config_checks
+from mcore_rl.cli_errors import BAD_INPUT, BadInput, ConfigError, read_yaml_mapping, report, suggest, yaml_load
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -31,15 +31,6 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 # a single value where a list is expected is a list of one (`data.train_files=a.parquet`)
 OneOrMany = BeforeValidator(lambda v: [v] if isinstance(v, str) else v)
-
-
-class ConfigError(BadInput):
-    """One or more config problems; `.errors` holds one line per problem (one problem: one line)."""
-
-    def __init__(self, errors: list[str] | str):
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        sep = "\n  " if len(self.errors) > 1 else " "
-        super().__init__("invalid config:" + sep + sep.join(self.errors))
 
 
 class Section(BaseModel):
@@ -350,11 +341,6 @@ class Config(Section):
 
 
 # ----------------------------------------------------------------------------- building
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _type_name(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
@@ -397,11 +383,11 @@ def _message(error: dict) -> str:
     if error["type"] == "extra_forbidden":  # loc: the section's keys, then the unknown one
         prefix = f"{path}." if path else ""
         key = prefix + str(error["loc"][-1])
-        return f"unknown key {key!r}" + _suggest(key, [prefix + n for n in tp.model_fields])
+        return f"unknown key {key!r}" + suggest(key, [prefix + n for n in tp.model_fields])
     if error["type"].startswith(("greater_than", "less_than")):
         nullable = type(None) in typing.get_args(field.annotation)
         return f"{path} must be {_range(field)}{' or null' if nullable else ''}, got {value}"
-    close = _suggest(value, typing.get_args(tp)) if error["type"] == "literal_error" else ""
+    close = suggest(value, typing.get_args(tp)) if error["type"] == "literal_error" else ""
     return f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}{close}"
 
 
@@ -449,9 +435,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
         raise ConfigError(str(e)) from None
     cfg = config_from_dict(apply_overrides(data, overrides or []))
     if validate:
-        from mcore_rl.config_checks import validate_config
-
-        validate_config(cfg, model_info=model_info, available_gpus=available_gpus)
+        config_checks.validate_config(cfg, model_info=model_info, available_gpus=available_gpus)
     return cfg
 
 
@@ -493,23 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # as a script: the package's module, whose sections the checks below import
-    import mcore_rl.config
-    sys.exit(mcore_rl.config.main())
-
-# the checks against the cluster and the model (mcore_rl.config_checks), which take the sections above:
-# looked up there on first use, so either module may be imported first
-CHECKS = ("actor_gpus", "hf_model_dims", "max_running_requests", "recompute_choice", "require_model_dirs",
-          "returns_routes", "rollout_gpus", "transport_for", "validate_config")
-
-
-def __getattr__(name: str):
-    if name in CHECKS:
-        from mcore_rl import config_checks
-
-        return getattr(config_checks, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["Config", "ConfigError", "apply_overrides", "config_from_dict", "load_config", "schema", "to_dict",
-           "to_yaml", *CHECKS]
+           "to_yaml"]
+
+if __name__ == "__main__":  # as a script: the package's module, the one every other module's isinstance checks see
+    import mcore_rl.config
+
+    sys.exit(mcore_rl.config.main())

@@ -15,6 +15,7 @@ import torch
 from typing import Callable
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl import ppo
 from mcore_rl.algos.dapo import varied_groups
 
@@ -78,7 +79,7 @@ def expert_layout(cfg: C.Config):
     """The layout of the routes the engines return (routing replay), or None when they return none."""
     from mcore_rl.routing import ExpertLayout
 
-    return ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
+    return ExpertLayout.of(config_checks.hf_model_dims(cfg.model)) if config_checks.returns_routes(cfg) else None
 
 
 def scored(cfg: C.Config, source, idx: list[int], batch: dict):

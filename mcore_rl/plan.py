@@ -12,15 +12,16 @@ import json
 import sys
 
 from mcore_rl.cli_errors import BAD_INPUT, report
-from mcore_rl.config import ConfigError, hf_model_dims, load_config
+from mcore_rl.config import ConfigError, load_config
+from mcore_rl.config_checks import hf_model_dims
 from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
-from mcore_rl.memory.host import HostInputs
-from mcore_rl.memory.planner import Plan, PlanError, PlanInputs, make_plan
+from mcore_rl.memory.host import HostInputs, plan_with_host
+from mcore_rl.memory.planner import Plan, MemoryPlanError, PlanInputs
 from mcore_rl.models.config import HFModel
 
 
 def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
-    """The plan of a validated Config, host memory included; raises PlanError when it cannot fit."""
+    """The plan of a validated Config, host memory included; raises MemoryPlanError when it cannot fit."""
     source = "given"
     if capacity is None:
         capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
@@ -30,7 +31,7 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
         raise ConfigError("model: the planner needs the model's shapes: model.hf_config, or a "
                           f"readable model.hf_path/config.json{where}")
     inputs = PlanInputs.from_config(cfg, capacity)
-    return make_plan(HFModel.from_dict(dims), inputs, HostInputs.from_config(cfg)), source
+    return plan_with_host(HFModel.from_dict(dims), inputs, HostInputs.from_config(cfg)), source
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, source = plan_for_config(cfg)
     except (*BAD_INPUT, GpuSelectionError) as e:
         return report(e)
-    except PlanError as e:
+    except MemoryPlanError as e:
         if e.plan is not None:
             print(e.plan.table())
         print(f"\n{e}", file=sys.stderr)

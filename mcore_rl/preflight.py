@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl.cli_errors import BadInput
 from mcore_rl.model_checks import unread_keys_warning
 
@@ -62,7 +63,7 @@ def _check_model_files(cfg: C.Config, dry_run: bool) -> bool:
     m = cfg.model
     tokenizer = m.tokenizer_path or m.hf_path
     if not dry_run:
-        C.require_model_dirs(cfg)
+        config_checks.require_model_dirs(cfg)
         if m.tokenizer_path and not os.path.isdir(m.tokenizer_path):
             kind = "not a directory" if os.path.exists(m.tokenizer_path) else "no such directory"
             raise BadInput(f"{m.tokenizer_path}: {kind} (model.tokenizer_path)")
@@ -72,7 +73,7 @@ def _check_model_files(cfg: C.Config, dry_run: bool) -> bool:
 def _warn_unread_hf_keys(m: C.ModelConfig) -> None:
     """An HF-config key nothing reads is not dropped without a word (the embedded config, else
     hf_path's config.json)."""
-    hf = C.hf_model_dims(m)
+    hf = config_checks.hf_model_dims(m)
     if hf is None:
         return
     where = "model.hf_config" if m.hf_config is not None else os.path.join(m.hf_path, "config.json")

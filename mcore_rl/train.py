@@ -20,6 +20,7 @@ import time
 import torch
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl import run_checkpoints as run_ckpt
 from mcore_rl.run_checkpoints import Checkpointer
 from mcore_rl.parallel import rendezvous_on
@@ -46,7 +47,7 @@ def trainer_placement(cfg: C.Config):
     cluster.placement_timeout_s."""
     from mcore_rl.placement_deadline import reserve
 
-    n = C.actor_gpus(cfg)
+    n = config_checks.actor_gpus(cfg)
     bundle = {"CPU": 1} if cfg.cluster.device == "cpu" else {"GPU": 1, "CPU": 1}
     return reserve([bundle] * n, f"the {n} trainer rank(s)", cfg.cluster.placement_timeout_s)
 
@@ -59,7 +60,7 @@ class ActorGroup:
 
         from mcore_rl.actor import MegatronActor
 
-        n = C.actor_gpus(cfg)
+        n = config_checks.actor_gpus(cfg)
         cpu = cfg.cluster.device == "cpu"
         self.pg = pg if pg is not None else trainer_placement(cfg)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -234,7 +235,7 @@ def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
 
 def memory_plan(cfg: C.Config):
     """The memory plan of a GPU run (None on CPU), made before anything takes GPU memory, so that
-    its capacity is the GPUs' free memory; a plan that cannot fit raises PlanError here."""
+    its capacity is the GPUs' free memory; a plan that cannot fit raises MemoryPlanError here."""
     if cfg.cluster.device != "gpu":
         return None
     from mcore_rl.plan import plan_for_config
@@ -466,7 +467,7 @@ def dry_run(cfg: C.Config) -> list[str]:
     from mcore_rl.rollout.placement import plan_placement
 
     c, p = cfg.cluster, cfg.parallel
-    world = C.actor_gpus(cfg)
+    world = config_checks.actor_gpus(cfg)
     units = "GPUs" if c.device == "gpu" else "processes"  # on CPU a gloo process stands in for a GPU
     model = cfg.model.hf_path or "embedded hf_config (random init)"
     if cfg.model.hf_path and not os.path.isdir(cfg.model.hf_path):
@@ -479,17 +480,17 @@ def dry_run(cfg: C.Config) -> list[str]:
     else:
         lines += plan_placement(cfg).describe(units)
         check = "a log-prob check" if cfg.rollout.engine == "vllm" else "read-back"
-        lines.append(f"weight sync: {C.transport_for(cfg)}, verified by {check} after the first sync"
+        lines.append(f"weight sync: {config_checks.transport_for(cfg)}, verified by {check} after the first sync"
                      + (f" and every {cfg.rollout.verify_sync_every} steps" if cfg.rollout.verify_sync_every else ""))
     if c.device == "gpu":
         from mcore_rl.memory.gpus import GpuSelectionError
-        from mcore_rl.memory.planner import PlanError
+        from mcore_rl.memory.planner import MemoryPlanError
         from mcore_rl.plan import plan_for_config
 
         try:
             plan, source = plan_for_config(cfg)
             lines += ["memory plan per GPU (capacity from " + source + "):", *plan.table().splitlines()]
-        except PlanError as e:
+        except MemoryPlanError as e:
             lines += [*(e.plan.table().splitlines() if e.plan else []), f"memory plan REFUSED: {e}"]
         except GpuSelectionError as e:
             lines.append(f"memory plan: not made here ({e})")
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.memory.gpus import GpuSelectionError
     from mcore_rl.dynamic_sampling import RefillsExhausted
     from mcore_rl.rollout_dump import DumpError
-    from mcore_rl.memory.planner import PlanError
+    from mcore_rl.memory.planner import MemoryPlanError
     from mcore_rl.rollout.base import EngineError
 
     t0 = time.perf_counter()
@@ -536,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         cause = getattr(e, "cause", None) or e  # met by a trainer rank in a weight sync: Ray wraps it
         print(f"error: {cause}; the same command resumes from the last checkpoint", file=sys.stderr)
         return 1
-    except PlanError as e:  # from memory_plan, before anything started
+    except MemoryPlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:
             print(e.plan.table())
         print(f"error: {e}", file=sys.stderr)

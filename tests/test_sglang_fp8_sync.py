@@ -24,7 +24,8 @@ from converters import convert
 from mcore_rl.models.config import HFModel
 from mcore_rl.parallel import Layout
 from mcore_rl.sync import fp8
-from mcore_rl.sync.plan import EngineLayout, SyncPlan
+from mcore_rl.sync.engine_layout import EngineLayout
+from mcore_rl.sync.plan import SyncPlan
 from tests import distributed, sglang_reference
 from tests.test_fp8 import deepseek_reference
 from tests.tiny_models import make_hf_model

@@ -15,7 +15,7 @@ from mcore_rl.actor.logprobs import PerToken
 from mcore_rl.actor.memory import MemoryMoves
 from mcore_rl.actor.routes import RouteReplay
 from mcore_rl.actor.update import Update
-from mcore_rl.config import recompute_choice
+from mcore_rl.config_checks import recompute_choice
 
 
 class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Lockstep):

@@ -84,10 +84,10 @@ frees them (`empty_cache`) before the rollout.
 
 Phases: train (engine released), sync (engine weights resumed, trainer's weights still on the GPU,
 its other states released), rollout (KV cache and CUDA graphs resumed). A phase over capacity
-raises PlanError(phase, shortfall).
+raises MemoryPlanError(phase, shortfall).
 
 Host memory per node (`mcore_rl.memory.host`, given HostInputs): made with the GPU plan, shown
-after its table, and refused (HostPlanError, a PlanError) once the GPU plan fits.
+after its table, and refused (HostPlanError, a MemoryPlanError) once the GPU plan fits.
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mcore_rl.memory.layout import engine_tensors, inventory, megatron_rank_numel, stage_layers
-from mcore_rl.models.config import HFModel
+from mcore_rl.memory.layout import engine_tensors, inventory, megatron_rank_numel
+from mcore_rl.models.config import HFModel, stage_layers
 
-if TYPE_CHECKING:  # host.py imports this module
-    from mcore_rl.memory.host import HostInputs, HostPlan
+if TYPE_CHECKING:  # host.py imports this module and fills Plan.host
+    from mcore_rl.memory.host import HostPlan
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -109,7 +109,7 @@ SYNC_BUCKETS = 3  # two bucket buffers in flight and the gathers filling one (do
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-class PlanError(RuntimeError):
+class MemoryPlanError(RuntimeError):
     """A phase does not fit on the GPU; carries the plan so the table can show where."""
 
     def __init__(self, phase: str, shortfall: int, plan: "Plan | None" = None, why: str = ""):
@@ -174,7 +174,7 @@ class PlanInputs:
 
     @classmethod
     def from_config(cls, cfg, capacity: int) -> "PlanInputs":
-        from mcore_rl.config import actor_gpus, max_running_requests, recompute_choice
+        from mcore_rl.config_checks import actor_gpus, max_running_requests, recompute_choice
 
         a, r, m, d, p = cfg.actor, cfg.rollout, cfg.memory, cfg.data, cfg.parallel
         seq = d.max_prompt_length + r.max_response_len
@@ -307,7 +307,7 @@ def step_temporary_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
 def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
     """Stored activations of the stage's micro-batches in flight, plus the output head."""
     T, h, E = i.micro_tokens, hf.hidden_size, hf.num_experts
-    layers = stage_layers(hf, i.pp)[stage]
+    layers = stage_layers(hf.num_layers, i.pp)[stage]
 
     routed = T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
     dispatch = T * hf.num_experts_per_tok // i.tp * DISPATCH_COPIES * h * 2 * (i.ep > 1)
@@ -381,10 +381,9 @@ def engine_activation_bytes(hf: HFModel, i: PlanInputs) -> int:
 
 
 # ----------------------------------------------------------------------------- the plan
-def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Plan:
-    """The per-phase plan; raises PlanError naming the phase with the largest shortfall. With
-    `host`, the plan carries host memory per node too, and a node over its RAM raises HostPlanError
-    (after the GPU checks, so a GPU refusal is never hidden behind it)."""
+def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
+    """The per-phase plan; raises MemoryPlanError naming the phase with the largest shortfall (host
+    memory is added by mcore_rl.memory.host.plan_with_host)."""
     stages = [trainer_bytes(hf, i, s) for s in range(i.pp)]
     states = ("megatron weights", "megatron grads", "megatron optimizer")
     worst_train = max(range(i.pp), key=lambda s: sum(stages[s].values()))
@@ -417,21 +416,15 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
     if (i.max_running_requests or 0) > i.cuda_graph_max_bs:
         plan.notes.append(f"decode batches of {i.cuda_graph_max_bs + 1}-{i.max_running_requests} run without "
                           "CUDA graphs: their activations beyond the sampler's are not planned")
-    if host is not None:  # before the GPU checks: a refused plan's tables show both
-        from mcore_rl.memory.host import make_host_plan
-
-        plan.host = make_host_plan(hf, i, host)
     short = plan.shortfalls()
     if short:
         phase = max(short, key=short.get)
-        raise PlanError(phase, short[phase], plan, _why(plan, phase))
+        raise MemoryPlanError(phase, short[phase], plan, _why(plan, phase))
     need_kv = i.seq_len * per_token
     if kv < need_kv:
-        raise PlanError("rollout", need_kv - kv, plan,
+        raise MemoryPlanError("rollout", need_kv - kv, plan,
                         f"the KV cache at mem_fraction_static={f:.2f} holds {kv // per_token} tokens, "
                         f"less than one sequence of {i.seq_len}")
-    if plan.host is not None:
-        plan.host.check(plan)
     return plan
 
 

@@ -334,6 +334,14 @@ class LayoutError(BadInput):
     pass
 
 
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Layers of each pipeline stage as megatron splits them (transformer_config sets no custom
+    split): an uneven remainder goes to the last stage."""
+    first = num_layers // pp
+    starts = [i * first for i in range(pp)]
+    return [range(s, starts[i + 1] if i + 1 < pp else num_layers) for i, s in enumerate(starts)]
+
+
 def validate_layout(m: HFModel, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> None:
     """Refuse a parallel layout the model cannot be split into, naming the reason."""
     problems = []

@@ -29,7 +29,7 @@ from mcore_rl.rollout import engine_logs, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.rollout.spawn import children_skip_main
-from mcore_rl.sync.plan import EngineLayout
+from mcore_rl.sync.engine_layout import EngineLayout
 
 WORKER_EXTENSION = "mcore_rl.rollout.vllm_worker.WeightUpdates"
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
