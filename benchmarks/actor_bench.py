@@ -42,7 +42,7 @@ from benchmarks.harness import GiB, write_json  # noqa: E402
 
 FAST_OFF = ["actor.packed_attention=sdpa", "actor.fused_logprobs=false", "actor.fused_adam=false",
             "actor.overlap_grad_reduce=false"]
-# name -> (config overrides, compat patches left out, memory run: fewer steps, no profile).
+# name -> (config overrides, megatron patches left out, memory run: fewer steps, no profile).
 # "{half}" stands for half the layers.
 RUNS = {
     "baseline": (FAST_OFF, ("rope_thd_no_sync", "grad_norm_no_sync"), False),
@@ -242,10 +242,10 @@ def one_run(rank: int, args, name: str, port: int, hf_dir: str, probe: MemoryPro
 
 def worker(rank: int, args, names: list[str], skip: tuple, port: int, hf_dir: str, results):
     os.environ["LOCAL_RANK"] = str(rank)
-    from mcore_rl import compat
+    from mcore_rl import patches
 
     if skip:
-        os.environ[compat.SKIP_ENV] = ",".join(skip)
+        os.environ[patches.SKIP_ENV] = ",".join(skip)
     probe = MemoryProbe()
     for name in names:
         try:

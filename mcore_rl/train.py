@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     a = p.parse_intermixed_args(argv)  # options may follow the overrides
     from mcore_rl.cli_errors import BAD_INPUT, report
-    from mcore_rl.compat import quiet_fallback_warnings
+    from mcore_rl.console import quiet_fallback_warnings
 
     quiet_fallback_warnings()  # the driver imports megatron too (plans, sync layout)
     from mcore_rl.placement_deadline import PlacementTimeout

@@ -28,7 +28,7 @@ def test_runs_profile_and_plan_on_cpu(tmp_path):
     assert base["patches_skipped"] == ["rope_thd_no_sync", "grad_norm_no_sync"] and not fast["patches_skipped"]
     phases = fast["profile"]["phases_host_ms"]
     assert {"forward", "backward", "loss head", "optimizer step", "pack + unpack"} <= set(phases)
-    # the two compat patches read no device value on the host: the baseline reads more
+    # the two megatron patches read no device value on the host: the baseline reads more
     reads = "aten::_local_scalar_dense"
     assert base["profile"]["host_reads"][reads] > fast["profile"]["host_reads"][reads]
     assert "profile" not in r["runs"]["recompute_full"]  # memory runs are not profiled

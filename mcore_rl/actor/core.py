@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from mcore_rl import compat, optim
+from mcore_rl import console, optim
 from mcore_rl.actor.checkpoint_io import Checkpoints
 from mcore_rl.actor.lockstep import Lockstep
 from mcore_rl.actor.logprobs import PerToken
@@ -37,7 +37,7 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
 
         use_expandable_segments(cfg["memory"]["expandable_segments"])  # before anything is allocated
         if rank == 0:
-            print(compat.accelerators_line(), flush=True)
+            print(console.accelerators_line(), flush=True)
         init = init or {}
         p = cfg["parallel"]
         self.layout = Layout(tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"])
