@@ -42,8 +42,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.flops import MATMUL_PEAK, attention_flops_per_token  # noqa: E402
-from benchmarks.harness import table, write_json  # noqa: E402
+from benchmarks.harness import MATMUL_PEAK, attention_flops_per_token, table, write_json  # noqa: E402
 from mcore_rl.plot import records_by_step  # noqa: E402
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",

@@ -111,7 +111,7 @@ class RolloutConfig(Section):
         "SGLang with an MoE model returns each token's routed experts (actor.routing_replay, rollout/route_agreement); "
         "each engine holds a host buffer of KV tokens x layers x top-k int32"))
     moe_config_dir: str | None = Field(None, description=(
-        "SGLang's fused-MoE tiles tuned for this model and GPU (SGLANG_MOE_CONFIG_DIR; benchmarks/tune_fused_moe.py "
+        "SGLang's fused-MoE tiles tuned for this model and GPU (SGLANG_MOE_CONFIG_DIR; scripts/tune_fused_moe.py "
         "writes one); null: the tiles SGLang ships, or its generic default where it ships none"))
     weight_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
         "fp8: the engine's linear weights are DeepSeek-V3's block FP8 (e4m3, a scale per 128 x 128 block), quantized "
@@ -119,9 +119,8 @@ class RolloutConfig(Section):
     fp8_kernels: Literal["triton", "deep_gemm", "deep_gemm_moe"] = Field("triton", description=(
         "weight_dtype=fp8 on GPUs: the engine's block-FP8 GEMMs. triton: SGLang's triton kernels, dense and fused MoE. "
         "deep_gemm: the dense GEMMs on DeepGEMM's JIT kernels (Hopper; sgl-deep-gemm installed), the fused MoE on "
-        "triton. deep_gemm_moe: the MoE on DeepGEMM's grouped GEMMs too. Compiled on first use (SGLang's 10-20 min "
-        "pre-compile off). The whole Moonlight, 128 requests, H100: triton 1.50x bf16's tokens/s, deep_gemm 1.57x, "
-        "deep_gemm_moe 1.23x (benchmarks/RESULTS.md, twelfth pass)"))
+        "triton. deep_gemm_moe: the MoE on DeepGEMM's grouped GEMMs too. Compiled on first use (SGLang's "
+        "pre-compile off). Their speeds: docs/performance.md"))
 
 
 class MemoryConfig(Section):
@@ -130,7 +129,7 @@ class MemoryConfig(Section):
     gpu_memory_gb: float | None = Field(None, gt=0, description="plan for this much per GPU; null: NVML's free memory")
     reserved_gb: float = Field(6.0, ge=0, description=(
         "per GPU outside both models' planned tensors: the trainer's and the engine's CUDA contexts, NCCL, "
-        "kernels, the released engine's leftovers (H100, Moonlight widths: 3.5 + 2.6 GiB)"))
+        "kernels, the released engine's leftovers"))
     offload_train_states: bool = Field(True, description="Megatron params/grads/optimizer to CPU while the engine runs")
     offload_ref: bool = Field(True, description="the frozen reference policy stays on the host between forwards (GPU)")
     grad_fp32: bool = Field(True, description="grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)")
@@ -152,8 +151,8 @@ class MemoryConfig(Section):
         "allocates across the offload/onload cycles (mcore_rl.memory.allocator); GPU only"))
     cuda_graph_gb: float | None = Field(None, description="null: estimate from rollout.cuda_graph_max_bs")
     host_trainer_process_gb: float | None = Field(None, ge=0, description=(
-        "host memory of each process besides its states (mcore_rl.memory.host); null: the planner's estimates, 3 GiB "
-        "per trainer rank and 4 GiB per engine rank (with its tokenizer/detokenizer)"))
+        "host memory of each process besides its states; null: mcore_rl.memory.host's estimates "
+        "(TRAINER_PROCESS_GB per trainer rank, ENGINE_PROCESS_GB per engine rank with its tokenizer/detokenizer)"))
     host_engine_process_gb: float | None = Field(None, ge=0, description="as host_trainer_process_gb")
 
 
@@ -235,7 +234,7 @@ class ActorConfig(Section):
         "log-probs and update) and weigh them with their own live scores (docs/routing_replay.md)"))
     packed_attention: Literal["sdpa", "varlen"] | None = Field(None, description=(
         "varlen: one flash call per micro-batch (GPU); sdpa: a call per sequence (MLA's unequal q/v head widths keep "
-        "it off its flash kernel, 10x slower on H200: benchmarks/RESULTS.md, issue 15); null: varlen on GPUs"))
+        "it off its flash kernel); null: varlen on GPUs"))
     fused_logprobs: bool | None = Field(None, description=(
         "log-probs and entropies without fp32 [tokens, vocab] copies (mcore_rl.head); null: on with GPUs"))
     fused_adam: bool | None = Field(None, description="fused AdamW kernel, not torch's multi-tensor ops; null: on GPUs")

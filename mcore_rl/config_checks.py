@@ -265,7 +265,7 @@ def _check_moe_config_dir(cfg: Config, errors: list[str]) -> None:
         errors.append("rollout.moe_config_dir is SGLang's (SGLANG_MOE_CONFIG_DIR); "
                       f"rollout.engine is {cfg.rollout.engine}")
     elif not os.path.isdir(os.path.join(where, "configs")):  # SGLang would fall back to its defaults silently
-        errors.append(f"rollout.moe_config_dir={where} holds no configs/ folder (benchmarks/tune_fused_moe.py "
+        errors.append(f"rollout.moe_config_dir={where} holds no configs/ folder (scripts/tune_fused_moe.py "
                       "writes one)")
 
 

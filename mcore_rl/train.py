@@ -351,8 +351,8 @@ def _load(group: ActorGroup, step_dir: str) -> None:
 @contextlib.contextmanager
 def _torch_threads(n: int):
     """The loop's own tensors are one batch's, small: an OpenMP team over every core of a GPU host
-    would spin on cores the engines and the trainer hold (suspected of 0.2-0.6 s a step, RESULTS.md
-    ninth pass). The caller's setting comes back after."""
+    would spin on cores the engines and the trainer hold (suspected of costing time each step:
+    docs/performance.md). The caller's setting comes back after."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -32,7 +32,7 @@ from mcore_rl.memory.planner import (GiB, Plan, MemoryPlanError, PlanInputs, mak
                                      trainer_bytes)
 from mcore_rl.models.config import HFModel
 
-# measured on one H100 at Moonlight widths (benchmarks/RESULTS.md, issue 24): a trainer rank's RSS
+# measured on one H100 at Moonlight widths (benchmarks/RESULTS.md at d90d714, issue 24): a trainer rank's RSS
 # beside its pinned buffers was 7.4 GiB (torch, megatron, the CUDA context's host side, NCCL); an
 # SGLang engine rank's processes 4.3 GiB (scheduler 2.2, detokenizer 1.0, its Ray actor 1.05)
 TRAINER_PROCESS_GB = 8.0

@@ -23,7 +23,7 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                "moe" recompute does not drop them.
                ACT depends on the packed attention (actor.packed_attention). "varlen" (one flash
                call, the GPU default): ACT = 21, fitted on seven 2 x H200 EP=2 runs of 8 Moonlight
-               layers at 14-16 k-token micro-batches (benchmarks/RESULTS.md, issue 15): every
+               layers at 14-16 k-token micro-batches (benchmarks/RESULTS.md at d90d714, issue 15): every
                recompute and offload choice within 2.3 % of the measured peak; then, with the EP
                term split off, on 1 x H100 and 1 x H200 EP=1 loop runs of 4 and 8 layers at 16 k
                tokens (a flat 42 at every EP was 5-6 % high there); at EP=1 and 6.3 k tokens

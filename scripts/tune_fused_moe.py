@@ -9,7 +9,7 @@ own files into DIR/configs/triton_<version>/, beside a copy of the ones it ships
 with `rollout.moe_config_dir=DIR` (SGLANG_MOE_CONFIG_DIR) uses them. Prints a table (the default
 tile's and the best tile's microseconds per batch size) and writes JSON. GPU only:
 
-    python benchmarks/tune_fused_moe.py --config configs/moonlight_2gpu.yaml --dir /tmp/moe_configs \\
+    python scripts/tune_fused_moe.py --config configs/moonlight_2gpu.yaml --dir /tmp/moe_configs \\
         --out tune.json --dtypes fp8,bf16 rollout.tp_size=1
 """
 
