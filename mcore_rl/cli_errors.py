@@ -11,7 +11,7 @@ Every entry point (train, plan, config, converters and their merge) reads its in
 before it writes anything, so a refused input leaves nothing behind (the run's checks, shared
 with `--dry-run`, are mcore_rl.preflight's). Exceptions that mean "the user's input is wrong"
 derive from `BadInput`; the readers below turn a missing, unreadable or malformed file into one.
-tests/test_cli_errors.py holds one row per refusal and entry point.
+tests/unit/test_cli_errors.py holds one row per refusal and entry point.
 """
 
 from __future__ import annotations

@@ -362,7 +362,7 @@ def _check_direct_load(cfg: Config, errors: list[str], hf: dict | None) -> None:
                       "(use sync_load: sglang)")
     if hf is not None and hf.get("model_type") not in DIRECT_LOAD_FAMILIES:
         errors.append(f"rollout.sync_load=direct is checked against SGLang's loader for "
-                      f"{', '.join(DIRECT_LOAD_FAMILIES)} (tests/test_sglang_sync.py), not {hf.get('model_type')} "
+                      f"{', '.join(DIRECT_LOAD_FAMILIES)} (tests/e2e/test_sglang_sync.py), not {hf.get('model_type')} "
                       "(MLA: SGLang derives absorbed weights after loading); use sync_load: sglang")
 
 

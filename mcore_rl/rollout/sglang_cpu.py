@@ -156,7 +156,7 @@ def _check_version() -> None:
     if found not in TESTED:
         raise RuntimeError(f"SGLang {found} on CPU: the CPU stand-ins were written for SGLang {', '.join(TESTED)}; "
                            "install that version (scripts/setup.sh does) or add this one to TESTED after "
-                           "checking its tokens against transformers (tests/test_rollout_sglang.py)")
+                           "checking its tokens against transformers (tests/e2e/test_rollout_sglang.py)")
 
 
 def install() -> None:

@@ -58,9 +58,9 @@ for part in "$@"; do
       (cd /tmp/nocap && PYTHONPATH=/tmp/sglang-site:/tmp/nocap train planned_nocap memory.auto_mem_fraction=true \
          trainer.total_training_steps=3 rollout.log_level=info; grep -iE "KV Cache is allocated|max_total_num|refused|out of memory|Error" \
          "$OUT/planned_nocap.log" | head -20) ;;
-    multinode) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --parts colocated \
+    multinode) timeout 580 python3 tests/support/multinode_scenario.py --device gpu --steps 3 --parts colocated \
                  --out "$OUT/multinode_colocated.json" 2>&1 | quiet | tail -30 ;;
-    multinode_separate) timeout 580 python3 tests/multinode_scenario.py --device gpu --steps 3 --parts separate \
+    multinode_separate) timeout 580 python3 tests/support/multinode_scenario.py --device gpu --steps 3 --parts separate \
                  --out "$OUT/multinode_separate.json" 2>&1 | quiet | tail -30 ;;
     actor) timeout 580 python3 benchmarks/actor_bench.py --gpus 2 --layers 8 --budget 16384 --micro-batches 6 --steps 2 \
              --checks --profile --runs baseline,sdpa,optimized --out "$OUT/actor_h200x2.json" 2>&1 | quiet | tail -60 ;;

@@ -1,6 +1,6 @@
 """Logit parity on GPUs in bf16: transformers vs our megatron-core models loaded through the converter.
 
-For each tiny family of tests/tiny_models.py: the fp32 HF model's logits are the reference; the
+For each tiny family of tests/support/tiny_models.py: the fp32 HF model's logits are the reference; the
 HF model in bf16 on one GPU and our megatron model in bf16 (converted checkpoint) at TP=1 on one
 GPU and at TP2 / EP2 / PP2 over NCCL are compared with it by relative error ||x - ref|| / ||ref||.
 bf16 lands between 1e-3 and 1e-2; the HF-bf16 row says what bf16 alone costs. Prints a table,
@@ -33,7 +33,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def prepare(root: str) -> dict:
     """HF models, their fp32/bf16 reference logits, and converted bf16 checkpoints."""
     from converters import convert
-    from tests.tiny_models import FAMILIES, make_hf_model
+    from tests.support.tiny_models import FAMILIES, make_hf_model
 
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
     out = {}
@@ -59,7 +59,7 @@ def worker(rank: int, world: int, port: int, root: str, queue) -> None:
     from mcore_rl.models import HFModel, build_model, transformer_config
     from mcore_rl.models.forward import full_logits
     from mcore_rl.parallel import Layout, init_distributed
-    from tests.tiny_models import FAMILIES
+    from tests.support.tiny_models import FAMILIES
 
     results = {}
     for name, (tp, pp, ep) in LAYOUTS.items():

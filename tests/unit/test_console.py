@@ -1,0 +1,78 @@
+"""The run's console: one short line a step (step i/N, reward, validation reward, seconds, ETA), a
+progress bar only on a terminal; engine processes write to log files without import warnings."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mcore_rl import config as C
+from mcore_rl.console import StepConsole, clock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_one_short_line_a_step_without_a_bar_off_a_terminal():
+    out = io.StringIO()
+    c = StepConsole(total=30, start=0, stream=out)
+    c.show(1, {"reward/mean": 0.125, "timing/step": 0.3, "actor/pg_loss": 1.0})
+    c.show(2, {"reward/mean": 0.5, "val/reward": 0.75})
+    c.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "\r" not in out.getvalue()
+    assert lines[0].startswith("step 1/30 | reward 0.125 | ") and "s/step | ETA " in lines[0]
+    assert "pg_loss" not in lines[0] and "val" not in lines[0]
+    assert lines[1].startswith("step 2/30 | reward 0.500 | val 0.750 | ")
+
+
+def test_a_terminal_gets_a_progress_bar_on_its_last_line():
+    out = _Tty()
+    c = StepConsole(total=4, start=2, stream=out)  # a run resumed after step 2
+    c.show(3, {"reward/mean": 0.1})
+    c.show(4, {"reward/mean": 0.2})
+    c.close()
+    text = out.getvalue()
+    assert text.count("/4 | reward") == 2 and "step 3/4" in text and "step 4/4" in text
+    assert text.rstrip().endswith("100%") and "\r\x1b[K" in text  # the bar is replaced, not stacked
+
+
+def test_clock():
+    assert clock(5) == "0:05" and clock(125) == "2:05" and clock(3725) == "1:02:05"
+
+
+def test_an_engine_process_writes_to_its_log_file_without_import_warnings(tmp_path):
+    """The engine actor's redirect reaches the processes it starts, and so do its warning filters."""
+    log = tmp_path / "logs" / "engine_0_node0.log"
+    code = ("import subprocess, sys, warnings\n"
+            "from mcore_rl.rollout import engine_logs\n"
+            "engine_logs.to_log_file(sys.argv[1])\n"
+            "print('engine started')\n"
+            "warnings.warn('Only CUDA, HIP and XPU support AWQ currently.')\n"
+            "subprocess.run([sys.executable, '-c', 'import warnings; print(\"child\"); "
+            "warnings.warn(\"Transformer Engine and Apex are not installed. Falling back\"); "
+            "warnings.warn(\"a real problem\")'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    r = subprocess.run([sys.executable, "-c", code, str(log)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and r.stderr == ""  # nothing left for Ray to forward to the driver
+    text = log.read_text()
+    assert "engine started" in text and "child" in text and "a real problem" in text
+    assert "Only CUDA" not in text and "Transformer Engine" not in text
+
+
+def test_console_is_a_typed_config_key():
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    assert C.load_config(tiny).trainer.console == "short"
+    assert C.load_config(tiny, ["trainer.console=full"]).trainer.console == "full"
+    with pytest.raises(C.ConfigError, match="trainer.console"):
+        C.load_config(tiny, ["trainer.console=long"])
