@@ -7,6 +7,8 @@ repeated cycles do not grow host memory.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -123,6 +125,7 @@ class StorageOffloader:
     def offload(self) -> int:
         if self.offloaded:
             return 0
+        self.wait()  # a background onload still copying into these storages finishes first
         self.storages = self._collect()
         sizes = [s.nbytes() for s in self.storages]
         if sizes != [h.nbytes for h in self.host]:
@@ -142,14 +145,31 @@ class StorageOffloader:
         return sum(sizes)
 
     @torch.no_grad()
-    def onload(self) -> None:
+    def onload(self, background: bool = False) -> None:
+        """Back to the device. With `background` (CUDA), the copies run on a side stream and this
+        returns at once: the memory is taken now, the values arrive while the caller computes, and
+        `wait()` must come before anything reads them."""
         if not self.offloaded:
             return
         for s, host in zip(self.storages, self.host):
-            s.resize_(host.nbytes)
-            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(host.tensor, non_blocking=True)
-        _synchronize(self.device_type)
+            s.resize_(host.nbytes)  # taken on the current stream, as the states' users will use it
+        side = torch.cuda.Stream() if background and self.device_type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # the memory's last users are done first
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for s, host in zip(self.storages, self.host):
+                torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(host.tensor, non_blocking=True)
+        if side is None:
+            _synchronize(self.device_type)
+        else:
+            self._arrived = side.record_event()
         self.by_storage.clear()
+
+    def wait(self) -> None:
+        """The current stream waits for a background onload's copies (a no-op when none is pending)."""
+        ev, self._arrived = getattr(self, "_arrived", None), None
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """`t` itself, or, while its storage is offloaded, the same view of the host copy."""

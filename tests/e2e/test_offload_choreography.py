@@ -6,6 +6,7 @@ phase change between them; the grad buffers must really be freed and nothing rea
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -27,10 +28,19 @@ def _states(ddp, opt):
     return out
 
 
-def _run(rank, root, phase_change: bool):
+def _run(rank, root):
+    from megatron.core import parallel_state as ps
+
+    for dtype in (torch.float32, torch.bfloat16):  # fp32 main params view the weights; bf16's are their own
+        for phase_change in (False, True):
+            _cycle(rank, root, dtype, phase_change)
+            ps.destroy_model_parallel()
+
+
+def _cycle(rank, root, dtype, phase_change: bool):
     from mcore_rl.actor.memory import MemoryMoves
 
-    ddp, opt = _setup(root, 1, 2, 1, os.path.join(root, "ckpt"))
+    ddp, opt = _setup(root, 1, 2, 1, os.path.join(root, "ckpt"), dtype=dtype)
 
     class Moves(MemoryMoves):  # the actor's state moves, on this rank's model and optimizer
         model, device = ddp, torch.device("cpu")
@@ -59,24 +69,23 @@ def _run(rank, root, phase_change: bool):
         moved += moves.offload_states()
         report["weights_offloaded"] = weight.untyped_storage().nbytes() == 0
         report["read_state_gives_host_copy"] = torch.equal(moves.read_state(weight), before)
-        grad_bytes = sum(s for s in moves._offloaders()[2].dropped_bytes().values())
+        grad_bytes = sum(moves._offloaders()["grads"].dropped_bytes().values())
         report["moved_all_but_grads"] = moved == total - grad_bytes and grad_bytes > 0
-        report["grad_storages_dropped"] = set(moves._offloaders()[2].dropped_bytes()) == grad_storages
+        report["grad_storages_dropped"] = set(moves._offloaders()["grads"].dropped_bytes()) == grad_storages
         moves.onload_states()
         report["grads_back_zeroed"] = all(p.main_grad.untyped_storage().nbytes() > 0 and not p.main_grad.any()
                                           for p in ddp.parameters())
     _train_step(ddp, opt, seed=2)
     torch.save({"states": _states(ddp, opt), "logits": _eval(ddp), "report": report},
-               os.path.join(root, f"{'moved' if phase_change else 'still'}.rank{rank}.pt"))
+               os.path.join(root, f"{'moved' if phase_change else 'still'}.{dtype}.rank{rank}.pt"))
 
 
 def test_phase_change_moves_keep_training_bit_exact(tiny):  # noqa: F811 - the fixture
     root = str(tiny)
-    distributed.run(_run, 2, root, False)
-    distributed.run(_run, 2, root, True)
-    for rank in range(2):
-        still = torch.load(os.path.join(root, f"still.rank{rank}.pt"), weights_only=True)
-        moved = torch.load(os.path.join(root, f"moved.rank{rank}.pt"), weights_only=True)
+    distributed.run(_run, 2, root)
+    for rank, dtype in itertools.product(range(2), (torch.float32, torch.bfloat16)):
+        still = torch.load(os.path.join(root, f"still.{dtype}.rank{rank}.pt"), weights_only=True)
+        moved = torch.load(os.path.join(root, f"moved.{dtype}.rank{rank}.pt"), weights_only=True)
         assert moved["report"] and all(moved["report"].values()), moved["report"]
         assert still["states"].keys() == moved["states"].keys() and len(still["states"]) > 10
         for k, v in still["states"].items():
