@@ -9,17 +9,34 @@ update through megatron's schedule, DDP and distributed optimizer.
 
 Each named run (RUNS) is a set of config switches, in processes of its own: memory an earlier run
 left behind in the same processes raised later runs' peaks by up to 55 GiB on 2 x H200. Per run:
-median update time, TFLOP/s per GPU (benchmarks/flops.py: 6 x active parameters per real token +
+median update time, TFLOP/s per GPU (benchmarks/harness.py: 6 x active parameters per real token +
 causal attention per sequence; filler tokens not counted)
 against 790 TFLOP/s and the GPU's measured matmul peak (--checks), peak memory per GPU split into
 states, the forward/backward peak and the optimizer-step peak, each beside the planner's
 prediction (mcore_rl.memory.planner) for the same layout and the largest micro-batch actually
-packed; with --profile, a torch.profiler breakdown of one more update (benchmarks/profile_breakdown.py).
+packed; with --profile, a torch.profiler breakdown of one more update (the profile breakdown below).
 Prints tables and writes JSON (--out); --trace keeps the chrome traces beside it.
 
     python benchmarks/actor_bench.py --gpus 2 --layers 8 --micro-batches 6 --steps 2 --checks --profile --out a.json
     python benchmarks/actor_bench.py --gpus 1 --layers 4 --budget 8192 --out actor1.json      # 1 GPU
     python benchmarks/actor_bench.py --cpu --tiny --gpus 2 --runs baseline,optimized --out a.json  # CPU, gloo
+
+`layer`: forward+backward throughput of Moonlight-shaped decoder layers alone (issue 2, item 4).
+
+Real widths from a config (hidden 2048, MLA, 64 experts top-6), a few layers, random bf16
+weights, `--seq` tokens per sequence; the decoder layers alone, or with the 163840-vocab output
+layer and megatron's cross-entropy (`--head`). The MoE runs either our fast path ("grouped":
+grouped-GEMM experts and gather-only token permutation, mcore_rl.models.experts/dispatch) or
+megatron's own ("loop": per-expert matmuls, scatter-add permutation); one run compares both.
+On GPU the fused elementwise chains (mcore_rl.models.fused) are compiled unless
+TORCHDYNAMO_DISABLE=1.
+TFLOP/s count 6 x active parameters per token (embedding excluded) plus
+causal attention; percentages are against the dense bf16 peak (989 TFLOP/s on the H100/H200 spec
+sheet, 790 measured for an 8192^3 matmul on the lent machines).
+
+    python benchmarks/actor_bench.py layer --layers 4 --seq 4096 --out layer.json           # 1 GPU
+    python benchmarks/actor_bench.py layer --gpus 2 --ep 2 --layers 4 --out layer2.json     # EP over NCCL
+    python benchmarks/actor_bench.py layer --cpu --tiny --steps 1 --out layer.json          # CPU smoke test
 """
 
 from __future__ import annotations
@@ -42,7 +59,7 @@ from benchmarks.harness import GiB, write_json  # noqa: E402
 
 FAST_OFF = ["actor.packed_attention=sdpa", "actor.fused_logprobs=false", "actor.fused_adam=false",
             "actor.overlap_grad_reduce=false"]
-# name -> (config overrides, compat patches left out, memory run: fewer steps, no profile).
+# name -> (config overrides, megatron patches left out, memory run: fewer steps, no profile).
 # "{half}" stands for half the layers.
 RUNS = {
     "baseline": (FAST_OFF, ("rope_thd_no_sync", "grad_norm_no_sync"), False),
@@ -86,6 +103,7 @@ def run_config(args, name: str) -> dict:
     """The run's full config (as the trainer validates it): the actor's DP slice of the batch is one
     mini-batch, packed up to --budget tokens per micro-batch."""
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     mini = samples_per_rank(args, RUNS[name][2]) * args.gpus
     cfg = C.config_from_dict(C.apply_overrides({"model": {"hf_config": args.hf_cfg}}, [
@@ -96,7 +114,7 @@ def run_config(args, name: str) -> dict:
         "actor.use_dynamic_bsz=true", f"actor.ppo_max_token_len_per_gpu={args.budget}",
         f"data.max_prompt_length={args.prompt[1]}", f"rollout.max_response_len={args.response[1]}",
         *_overrides_of(args, name)]))
-    return C.to_dict(C.validate_config(cfg))
+    return C.to_dict(config_checks.validate_config(cfg))
 
 
 def _overrides_of(args, name: str) -> list[str]:
@@ -132,7 +150,7 @@ class MemoryProbe:
 def plan_inputs(actor, cfg: dict, tokens: int, responses: int) -> dict:
     """PlanInputs for this run, at the largest micro-batch the actor packed (its tokens and its
     response tokens): the planner runs in the parent, which can build megatron's unsharded skeleton."""
-    from mcore_rl.config import recompute_choice
+    from mcore_rl.config_checks import recompute_choice
 
     mode, layers, modules = recompute_choice(cfg["memory"])
     opts = actor._optim_options()
@@ -160,8 +178,6 @@ def planner(hf_cfg: dict, inputs: dict) -> dict:
 def _profiled_update(actor, batch, rank: int, path: str, sync) -> dict | None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from benchmarks import profile_breakdown
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         with record_function("bench/step"):
@@ -170,13 +186,13 @@ def _profiled_update(actor, batch, rank: int, path: str, sync) -> dict | None:
     if rank:
         return None
     prof.export_chrome_trace(path)
-    return profile_breakdown.from_file(path)
+    return breakdown_from_file(path)
 
 
 def one_run(rank: int, args, name: str, port: int, hf_dir: str, probe: MemoryProbe) -> dict:
     from megatron.core import parallel_state as ps
 
-    from benchmarks.flops import active_params, sequences_flops
+    from benchmarks.harness import active_params, sequences_flops
     from mcore_rl.actor import MegatronActor
 
     if ps.model_parallel_is_initialized():
@@ -241,10 +257,10 @@ def one_run(rank: int, args, name: str, port: int, hf_dir: str, probe: MemoryPro
 
 def worker(rank: int, args, names: list[str], skip: tuple, port: int, hf_dir: str, results):
     os.environ["LOCAL_RANK"] = str(rank)
-    from mcore_rl import compat
+    from mcore_rl import patches
 
     if skip:
-        os.environ[compat.SKIP_ENV] = ",".join(skip)
+        os.environ[patches.SKIP_ENV] = ",".join(skip)
     probe = MemoryProbe()
     for name in names:
         try:
@@ -262,7 +278,7 @@ def worker(rank: int, args, names: list[str], skip: tuple, port: int, hf_dir: st
 
 def checks_worker(rank: int, hf_cfg: dict, port: int, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    from benchmarks import gpu_checks
+    from tests.gpu import gpu_checks
     from mcore_rl.parallel import Layout, init_distributed
 
     init_distributed(Layout())
@@ -289,7 +305,7 @@ def parse(argv=None):
     p.add_argument("--memory-micro-batches", type=int, default=2, help="about this many micro-batches per memory run")
     p.add_argument("--profile", action="store_true", help="profile one more update of each throughput run")
     p.add_argument("--trace", action="store_true", help="keep rank 0's chrome traces (beside --out)")
-    p.add_argument("--checks", action="store_true", help="first run benchmarks/gpu_checks.py on one GPU")
+    p.add_argument("--checks", action="store_true", help="first run tests/gpu/gpu_checks.py on one GPU")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--tiny", action="store_true", help="configs/tiny_cpu.yaml's model")
     p.add_argument("--out", default="actor_bench.json")
@@ -310,12 +326,13 @@ def parse(argv=None):
     if args.steps < 1 or args.memory_steps < 1:
         p.error("--steps and --memory-steps must be at least 1")
     args.trace_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "traces")
-    from benchmarks.shapes import hf_config
+    from benchmarks.harness import hf_config
 
     args.hf_cfg = hf_config("tiny_cpu.yaml" if args.tiny else args.config, args.layers)
     if args.layers != args.hf_cfg["num_hidden_layers"]:
         args.layers = args.hf_cfg["num_hidden_layers"]
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     try:  # every run's config, checked before any process starts
         for n in names:
@@ -346,7 +363,7 @@ def _spawned(target, nprocs: int, extra: tuple, count: int, on_result=None) -> l
 
 
 def run(args) -> dict:
-    from benchmarks.flops import MATMUL_PEAK
+    from benchmarks.harness import MATMUL_PEAK
     from mcore_rl.parallel import free_port
 
     report = dict(device="cpu" if args.cpu else torch.cuda.get_device_name(), torch=torch.__version__,
@@ -378,7 +395,7 @@ def run(args) -> dict:
 
 
 def summarize(name: str, ranks: list[dict], args, peak: float, skip) -> dict:
-    from benchmarks.flops import MATMUL_PEAK
+    from benchmarks.harness import MATMUL_PEAK
 
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
@@ -404,8 +421,6 @@ def summarize(name: str, ranks: list[dict], args, peak: float, skip) -> dict:
 
 
 def print_tables(report: dict) -> None:
-    from benchmarks import profile_breakdown
-
     print(f"\n{report['device']} x {report['gpus']} (EP {report['ep']}), {report['layers']} layers, "
           f"{report['samples_per_rank']} samples/GPU of {report['prompt'][0]}-{report['prompt'][1]} + "
           f"{report['response'][0]}-{report['response'][1]} tokens, micro-batches <= {report['budget']} tokens")
@@ -437,10 +452,308 @@ def print_tables(report: dict) -> None:
     for name, r in report["runs"].items():
         if r.get("profile"):
             print(f"\nprofile of one update, {name} (rank 0):")
-            print(profile_breakdown.table(r["profile"]))
+            print(breakdown_table(r["profile"]))
+
+
+# ----------------------------------------------------------------------------- profile breakdown
+# Where one training step's time goes, from a torch.profiler chrome trace.
+#
+# Three views of one step (the `step` user annotation's window):
+# - phases: GPU time of the kernels launched inside each of the code's record_function ranges
+#   (PHASES: packing, forward, loss head, optimizer) and inside autograd's backward nodes (backward,
+#   with recompute; the DDP hooks' fp32 grad accumulation apart), on every stream;
+# - kernels: GPU time by kernel kind (attention, grouped and dense GEMMs, NCCL collectives by type,
+#   compiled Triton kernels, copies, the rest);
+# - timeline: the step's wall time, the time some kernel ran (busy), idle gaps, and how much of the
+#   NCCL time no compute kernel hid (exposed communication);
+# plus host synchronisations: CUDA sync calls and blocking copies (count and host time), and the ops
+# that read device values on the host (.item(), .tolist(), nonzero).
+# On a CPU-only trace there are no kernels: phases then report host time.
+
+# record_function ranges in mcore_rl (actor, pipeline, optim) -> phase
+PHASES = {"actor/pack": "pack + unpack", "model/forward": "forward", "model/loss": "loss head",
+          "optim/finalize_grads": "grad reduce (finalize)", "optim/step": "optimizer step"}
+BACKWARD = "autograd::engine::evaluate_function"
+ACCUMULATE = "AccumulateGrad"
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+HOST_READS = ("aten::_local_scalar_dense", "aten::nonzero")
+NCCL_KINDS = (("allgather", "NCCL all-gather"), ("reducescatter", "NCCL reduce-scatter"),
+              ("allreduce", "NCCL all-reduce"), ("alltoall", "NCCL all-to-all"),
+              ("sendrecv", "NCCL send/recv"), ("broadcast", "NCCL broadcast"))
+
+
+def kernel_kind(name: str, cat: str) -> str:
+    n = name.lower()
+    if cat == "gpu_memcpy":
+        return "memcpy " + ("D2H" if "dtoh" in n else "H2D" if "htod" in n else "D2D")
+    if cat == "gpu_memset":
+        return "memset"
+    if "nccl" in n:
+        return next((label for key, label in NCCL_KINDS if key in n), "NCCL other")
+    if any(k in n for k in ("flash", "fmha", "sdpa", "attention", "attn")):
+        return "attention"
+    if any(k in n for k in ("grouped", "groupproblemshape", "ptr_array")):
+        return "grouped GEMM (experts)"
+    if any(k in n for k in ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "sm90_", "sm80_")):
+        return "dense GEMM"
+    if n.startswith("triton") or "triton_" in n:
+        return "compiled (Triton)"
+    return "other kernels"
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _clip(intervals, lo, hi):
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def _launch_phases(ranges, launches) -> dict:
+    """correlation id -> the phase of the innermost labelled host range around its launch. Host
+    ranges of one thread nest (they follow the call stack), so one sweep with a stack does it."""
+    items: dict = {}
+    for e in ranges:
+        items.setdefault((e["pid"], e["tid"]), []).append((e["ts"], 0, e["ts"] + e["dur"], _phase_of(e["name"])))
+    for corr, e in launches.items():
+        items.setdefault((e["pid"], e["tid"]), []).append((e["ts"], 1, corr, None))
+    out = {}
+    for thread_items in items.values():
+        stack: list[tuple[float, str]] = []  # (end, phase), innermost last
+        for ts, is_launch, x, phase in sorted(thread_items, key=lambda t: (t[0], t[1])):
+            while stack and stack[-1][0] < ts:
+                stack.pop()
+            if is_launch:
+                out[x] = stack[-1][1] if stack else "other"
+            else:
+                stack.append((x, phase))
+    return out
+
+
+def _phase_of(name: str) -> str | None:
+    if name in PHASES:
+        return PHASES[name]
+    if name.startswith(BACKWARD):
+        return "backward: fp32 grad accumulation (DDP hooks)" if ACCUMULATE in name else "backward"
+    return None
+
+
+def breakdown(trace: dict, step: str = "bench/step") -> dict:
+    """The breakdown of the `step` annotation's window in a chrome trace (torch.profiler's export)."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    windows = [e for e in events if e.get("name") == step and e.get("cat") == "user_annotation"]
+    if not windows:
+        raise ValueError(f"no {step!r} range in the trace")
+    lo, hi = windows[0]["ts"], windows[0]["ts"] + windows[0]["dur"]
+    inside = [e for e in events if lo <= e["ts"] <= hi]
+    gpu = [e for e in inside if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    launches = {e["args"]["correlation"]: e for e in inside
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ranges = [e for e in inside if e.get("cat") in ("user_annotation", "cpu_op")
+              and _phase_of(e["name"]) is not None]
+    phase_of_launch = _launch_phases(ranges, launches)
+
+    phases: dict[str, float] = {}
+    kinds: dict[str, float] = {}
+    for k in gpu:
+        kind = kernel_kind(k["name"], k["cat"])
+        kinds[kind] = kinds.get(kind, 0.0) + k["dur"]
+        phase = phase_of_launch.get(k.get("args", {}).get("correlation"), "other")
+        phases[phase] = phases.get(phase, 0.0) + k["dur"]
+    host_phases: dict[str, float] = {}
+    for e in ranges:  # host time (the CPU view; the only one on a CPU-only trace)
+        label = _phase_of(e["name"])
+        host_phases[label] = host_phases.get(label, 0.0) + e["dur"]
+
+    busy = _union(_clip([(k["ts"], k["ts"] + k["dur"]) for k in gpu], lo, hi))
+    compute = _union(_clip([(k["ts"], k["ts"] + k["dur"]) for k in gpu if "nccl" not in k["name"].lower()], lo, hi))
+    nccl = _union(_clip([(k["ts"], k["ts"] + k["dur"]) for k in gpu if "nccl" in k["name"].lower()], lo, hi))
+    wall = hi - lo
+    syncs = {n: dict(count=0, host_ms=0.0) for n in SYNC_CALLS}
+    for e in inside:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in syncs:
+            syncs[e["name"]]["count"] += 1
+            syncs[e["name"]]["host_ms"] += e["dur"] / 1e3
+    reads = {n: sum(1 for e in inside if e.get("cat") == "cpu_op" and e["name"] == n) for n in HOST_READS}
+    ms = lambda d: {k: v / 1e3 for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    return dict(
+        wall_ms=wall / 1e3, gpu_busy_ms=_length(busy) / 1e3, gpu_idle_ms=(wall - _length(busy)) / 1e3,
+        compute_busy_ms=_length(compute) / 1e3, nccl_ms=_length(nccl) / 1e3,
+        nccl_exposed_ms=(_length(busy) - _length(compute)) / 1e3, kernels=len(gpu),
+        phases_gpu_ms=ms(phases), phases_host_ms=ms(host_phases), kernel_kinds_ms=ms(kinds),
+        host_syncs=syncs, host_sync_calls=sum(v["count"] for v in syncs.values()),
+        host_sync_ms=sum(v["host_ms"] for v in syncs.values()), host_reads=reads)
+
+
+def breakdown_from_file(path: str, step: str = "bench/step") -> dict:
+    with open(path) as f:
+        return breakdown(json.load(f), step)
+
+
+def breakdown_table(b: dict) -> str:
+    """A compact text breakdown_table of one breakdown."""
+    lines = [f"step {b['wall_ms']:.1f} ms: GPU busy {b['gpu_busy_ms']:.1f}, idle {b['gpu_idle_ms']:.1f}, "
+             f"NCCL {b['nccl_ms']:.1f} (exposed {b['nccl_exposed_ms']:.1f}), {b['kernels']} kernels; "
+             f"host syncs {b['host_sync_calls']} ({b['host_sync_ms']:.1f} ms blocked), host reads "
+             + ", ".join(f"{k.split('::')[1]} {v}" for k, v in b["host_reads"].items())]
+    view = "phases_gpu_ms" if b["kernels"] else "phases_host_ms"
+    lines.append(f"  {'phase (' + ('GPU' if b['kernels'] else 'host') + ' ms)':<48}" + "".join(
+        f"\n    {k:<46}{v:>10.1f}" for k, v in b[view].items()))
+    if b["kernels"]:
+        lines.append(f"  {'kernel kind (GPU ms, all streams)':<48}" + "".join(
+            f"\n    {k:<46}{v:>10.1f}" for k, v in b["kernel_kinds_ms"].items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- layer bench (`layer`)
+def _layer_time(model, ids, steps: int) -> list[float]:
+    from benchmarks.harness import timed_calls
+
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    labels = torch.roll(ids, -1, 1) if model.post_process else None
+    grad = []
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        out = model(ids, pos, None, labels=labels)
+        if labels is not None:
+            out.float().mean().backward()
+        else:  # the decoder's hidden states: backward from a fixed random gradient
+            grad[:] = grad or [torch.randn_like(out)]
+            out.backward(grad[0])
+
+    return timed_calls(fwd_bwd, steps, warmup=2)
+
+
+def _layer_profile(model, ids, top: int) -> list[dict]:
+    """The `top` ops that take the most device time in one fwd+bwd."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        _layer_time(model, ids, 1)
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    ops = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: getattr(e, key), reverse=True)[:top]
+    return [dict(op=f"{e.key} {e.input_shapes}" if e.input_shapes else e.key, ms=getattr(e, key) / 1e3 / 3,
+                 calls=e.count // 3) for e in ops]  # per iteration
+
+
+def layer_worker(rank: int, args, port: int, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.gpus), LOCAL_RANK=str(rank))
+    sys.path.insert(0, ROOT)
+    from benchmarks.harness import MATMUL_PEAK, SPEC_PEAK, flops_per_token
+    from benchmarks.harness import hf_config
+    from mcore_rl.models import HFModel, build_model, transformer_config
+    from mcore_rl.parallel import Layout, init_distributed
+
+    init_distributed(Layout(tp=args.tp, ep=args.ep))
+    cfg = hf_config("tiny_cpu.yaml" if args.tiny else args.config, args.layers)
+    if args.moe_only:
+        cfg["first_k_dense_replace"] = 0
+    hf = HFModel.from_dict(cfg)
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    extra = {"moe_token_dispatcher_type": args.dispatcher} if args.dispatcher and hf.num_experts else {}
+    tcfg = transformer_config(hf, tp=args.tp, ep=args.ep, dtype=dtype, cpu=args.cpu, **extra)
+    dev = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(1234)  # the same tokens on every rank (one DP replica)
+    ids = torch.randint(0, hf.vocab_size, (args.batch, args.seq)).to(dev)
+    flops = None
+    rows = []
+    for grouped in ([True, False] if args.experts == "both" else [args.experts == "grouped"]):
+        model = build_model(hf, tcfg, fast_moe=grouped, post_process=args.head)
+        flops = flops or flops_per_token(model, hf, args.seq)
+        if not args.cpu:
+            torch.cuda.reset_peak_memory_stats()
+        times = _layer_time(model, ids, args.steps)
+        med = statistics.median(times)
+        # every data-parallel rank (gpus / tp of them; EP ranks are DP ranks for the dense part)
+        # runs its own batch; the TP ranks of one replica share its work
+        tokens = args.batch * args.seq * (args.gpus // args.tp)
+        tflops = flops * args.batch * args.seq / med / args.tp / 1e12
+        row = dict(experts="grouped" if grouped else "loop", median_s=med, times_s=times,
+                   tokens_per_s=tokens / med, tflops_per_gpu=tflops,
+                   pct_of_spec_peak=100 * tflops * 1e12 / SPEC_PEAK,
+                   pct_of_matmul_peak=100 * tflops * 1e12 / MATMUL_PEAK,
+                   peak_mem_gib=None if args.cpu else torch.cuda.max_memory_allocated() / 2**30)
+        if args.profile:
+            row["top_ops"] = _layer_profile(model, ids, args.profile)
+        rows.append(row)
+        del model
+        if not args.cpu:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        results.put(dict(rows=rows, layers=hf.num_layers, head=args.head, moe_layers=sum(map(hf.is_moe_layer, range(hf.num_layers))),
+                         seq=args.seq, batch=args.batch, gpus=args.gpus, tp=args.tp, ep=args.ep,
+                         dispatcher=tcfg.moe_token_dispatcher_type if hf.num_experts else None,
+                         flops_per_token=flops, device="cpu" if args.cpu else torch.cuda.get_device_name(),
+                         torch=torch.__version__))
+
+
+def layer_main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "moonlight_16b.yaml"))
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (Moonlight: the first is dense)")
+    p.add_argument("--moe-only", action="store_true", help="make every layer MoE")
+    p.add_argument("--head", action="store_true", help="include the output layer and megatron's cross-entropy "
+                   "(by default the decoder layers alone are timed)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--experts", choices=["grouped", "loop", "both"], default="both")
+    p.add_argument("--dispatcher", choices=["allgather", "alltoall"], default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="add the N top device ops of one iteration")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default="layer_bench.json")
+    args = p.parse_args(argv)
+    if args.gpus % (args.tp * args.ep):
+        p.error("--gpus must be a multiple of --tp x --ep")
+    if not args.cpu and torch.cuda.device_count() < args.gpus:
+        p.error(f"--gpus {args.gpus} but {torch.cuda.device_count()} visible")
+    sys.path.insert(0, ROOT)
+    from benchmarks.harness import write_json
+    from mcore_rl.parallel import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.SimpleQueue()
+    torch.multiprocessing.start_processes(layer_worker, args=(args, free_port(), results), nprocs=args.gpus,
+                                          start_method="spawn")
+    res = results.get()
+    res["command"] = "python benchmarks/actor_bench.py layer " + " ".join(argv)
+    print(f"{res['device']}: {res['layers']} layers ({res['moe_layers']} MoE), batch {res['batch']} x seq "
+          f"{res['seq']}, tp {res['tp']} ep {res['ep']}")
+    print(f"{'experts':<9}{'median s':>10}{'tokens/s':>11}{'TFLOP/s/GPU':>13}{'% spec':>8}{'% matmul':>10}{'peak GiB':>10}")
+    for r in res["rows"]:
+        mem = f"{r['peak_mem_gib']:>10.1f}" if r["peak_mem_gib"] is not None else f"{'-':>10}"
+        print(f"{r['experts']:<9}{r['median_s']:>10.4f}{r['tokens_per_s']:>11.0f}{r['tflops_per_gpu']:>13.1f}"
+              f"{r['pct_of_spec_peak']:>8.1f}{r['pct_of_matmul_peak']:>10.1f}{mem}")
+        for op in r.get("top_ops", []):
+            print(f"    {op['ms']:>8.2f} ms  x{op['calls']:<5} {op['op'][:150]}")
+    if len(res["rows"]) == 2:
+        res["grouped_speedup"] = res["rows"][1]["median_s"] / res["rows"][0]["median_s"]
+        print(f"grouped / loop speed-up: {res['grouped_speedup']:.2f}x")
+    write_json(res, args.out)
+    return 0
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["layer"]:  # the decoder layers alone (LAYER_DOC)
+        return layer_main(argv[1:])
     args = parse(argv)
     report = run(args)
     print_tables(report)

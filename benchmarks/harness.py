@@ -1,5 +1,6 @@
 """What the benchmark scripts share: timing, child processes' wall time and peak RSS, worker processes
-that fail loudly, JSON, plain-text tables.
+that fail loudly, JSON, plain-text tables; FLOP counts and the peaks figures are reported against;
+model shapes read from configs/, so each model is written down once.
 
 GPU and host memory over a whole run (NVML, RSS/PSS of a process tree) is the loop's own sampler,
 `mcore_rl.memory.monitor.PhaseMonitor`, so a benchmark reads memory exactly as the trainer logs it.
@@ -11,16 +12,18 @@ import json
 import os
 import queue
 import subprocess
+import sys
 import time
 from typing import Callable, Sequence
+
+import torch
+import yaml
 
 GiB = 1 << 30
 
 
 def device_sync() -> Callable[[], None]:
     """torch.cuda.synchronize on a GPU, else a no-op: a timer must wait for queued kernels."""
-    import torch
-
     return torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
 
@@ -83,6 +86,15 @@ def config_only_model(hf_config: dict, path: str) -> str:
     return path
 
 
+def run_command(script: str, commands: dict[str, Callable[[list[str]], int]], argv: list[str] | None) -> int:
+    """`python benchmarks/SCRIPT COMMAND ...`: COMMAND's function on the rest of argv."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in commands:
+        print(f"usage: python benchmarks/{script} {{{','.join(commands)}}} ... (-h: its options)", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
 def write_json(report: dict, path: str) -> None:
     """Written whole or not at all (a benchmark killed mid-write leaves the previous file)."""
     tmp = path + ".tmp"
@@ -108,3 +120,60 @@ def table(header: Sequence[str], rows: Sequence[Sequence], digits: int = 3) -> s
     lines = ["  ".join(c.ljust(w) if text[i] else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in cells]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+# ----------------------------------------------------------------------------- FLOPs and peaks
+SPEC_PEAK = 989e12  # dense bf16, H100/H200 SXM spec sheet
+MATMUL_PEAK = 790e12  # 8192^3 bf16 matmul measured on the lent machines (device KINDS.md)
+
+
+def active_params(model, hf) -> float:
+    """Non-embedding parameters a token passes through: dense + routed x topk/E, summed over the
+    model-parallel ranks (the output layer counts where the model has one)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dense = sum(p.numel() for n, p in model.named_parameters() if "embedding" not in n and "local_experts" not in n)
+    routed = sum(p.numel() for n, p in model.named_parameters() if "local_experts" in n)
+    dev = next(model.parameters()).device
+    d = torch.tensor(float(dense), device=dev)
+    r = torch.tensor(float(routed), device=dev)
+    dist.all_reduce(d, group=ps.get_model_parallel_group())
+    dist.all_reduce(r, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    return d.item() + (r.item() * hf.get("num_experts_per_tok") / hf.num_experts if hf.num_experts else 0)
+
+
+def attention_flops_per_token(hf, seq: int) -> float:
+    """fwd+bwd FLOPs of causal attention per token of a `seq`-token sequence."""
+    qk = hf.get("qk_nope_head_dim", 0) + hf.get("qk_rope_head_dim", 0) if hf.is_mla else hf.head_dim
+    v = hf.get("v_head_dim") if hf.is_mla else hf.head_dim
+    return 6 * hf.num_layers * hf.num_attention_heads * (qk + v) * seq * 0.5
+
+
+def flops_per_token(model, hf, seq: int) -> float:
+    """fwd+bwd FLOPs per token of a `seq`-token sequence: 6 x active parameters + causal attention."""
+    return 6 * active_params(model, hf) + attention_flops_per_token(hf, seq)
+
+
+def sequences_flops(active: float, hf, lengths) -> float:
+    """fwd+bwd FLOPs of training on sequences of these lengths (each attends only to itself)."""
+    return sum(n * (6 * active + attention_flops_per_token(hf, n)) for n in lengths)
+
+
+# ----------------------------------------------------------------------------- model shapes
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hf_config(config: str, layers: int | None = None) -> dict:
+    """`model.hf_config` of a config (a path, or a name in configs/), optionally with fewer layers."""
+    path = config if os.path.exists(config) else os.path.join(ROOT, "configs", config)
+    with open(path) as f:
+        cfg = dict(yaml.safe_load(f)["model"]["hf_config"])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def moonlight(layers: int | None = None) -> dict:
+    """Moonlight-16B-A3B's config.json (configs/moonlight_16b.yaml)."""
+    return hf_config("moonlight_16b.yaml", layers)

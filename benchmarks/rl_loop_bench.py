@@ -44,8 +44,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.flops import MATMUL_PEAK, attention_flops_per_token  # noqa: E402
-from benchmarks.harness import table, write_json  # noqa: E402
+from benchmarks.harness import MATMUL_PEAK, attention_flops_per_token, table, write_json  # noqa: E402
 from mcore_rl.plot import records_by_step  # noqa: E402
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
@@ -145,7 +144,7 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
     from mcore_rl.rollout.group import EngineSlot
     from mcore_rl.rollout.launch import start_sglang
     from mcore_rl.rollout.placement import plan_placement
-    from mcore_rl.sync.plan import EngineLayout
+    from mcore_rl.sync.engine_layout import EngineLayout
     from mcore_rl.train import memory_plan
 
     placement, plan = plan_placement(cfg), memory_plan(cfg)  # sized as in the loop (GPU: the plan's KV tokens)
@@ -188,6 +187,7 @@ def train_seconds(trained: list[dict]) -> float:
 def compare_modes(config: str, overrides: list[str], modes: list[str], out: str) -> int:
     """The loop once per trainer mode; samples/s and the async metrics side by side."""
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     work = tempfile.mkdtemp(prefix="rl_loop_modes_")
     rows = []
@@ -248,18 +248,19 @@ def main() -> int:
             ap.error(f"--modes: unknown {sorted(unknown)}; choose from {sorted(MODE_ARGS)}")
         return compare_modes(a.config, a.overrides, a.modes.split(","), a.out)
     from mcore_rl import config as C
+    from mcore_rl import config_checks
     from mcore_rl.models.config import HFModel
     from mcore_rl.plan import plan_for_config
 
     cfg = C.load_config(a.config, a.overrides)
-    hf = HFModel.from_dict(C.hf_model_dims(cfg.model))
+    hf = HFModel.from_dict(config_checks.hf_model_dims(cfg.model))
     work = tempfile.mkdtemp(prefix="rl_loop_bench_")
     t0, launched = time.perf_counter(), time.time()
     steps, run_peaks, start_phases = run_loop(a.config, a.overrides, os.path.join(work, "run"), a.logs)
     wall = time.perf_counter() - t0
     timed = [s for k, s in sorted(steps.items()) if k >= 2 and "reward/mean" in s]
     med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
-    gpus = C.actor_gpus(cfg)
+    gpus = config_checks.actor_gpus(cfg)
     B = cfg.data.train_batch_size * cfg.rollout.n
     prompt = statistics.mean(len(p) for p in __import__("mcore_rl.data.prompts", fromlist=["x"])
                              .load_prompt_sources(cfg)[0].prompts[:256])

@@ -44,9 +44,9 @@ def _ensure_single_process_group():
 
 def skeleton(hf: HFModel, dtype: torch.dtype = torch.bfloat16):
     """Megatron's sharded state dict for `hf` on the meta device, plus our Entry per parameter."""
-    from mcore_rl import compat
+    from mcore_rl import patches
 
-    with compat.cuda_untouched():  # the planner's driver would otherwise hold a CUDA context all run
+    with patches.cuda_untouched():  # the planner's driver would otherwise hold a CUDA context all run
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 

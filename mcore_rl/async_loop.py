@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 
 
 def staleness_metrics(token_versions: torch.Tensor, response_mask: torch.Tensor, trainer_version: int) -> dict:
@@ -244,7 +245,7 @@ class FullyAsync:
             return key[0] - 1 - version <= self.max_staleness
 
         # the engines' decode batch (SGLang's max_running_requests); the CPU engine takes any unless it is set
-        per_engine = cfg.rollout.max_running_requests if cfg.cluster.device == "cpu" else C.max_running_requests(cfg)
+        per_engine = cfg.rollout.max_running_requests if cfg.cluster.device == "cpu" else config_checks.max_running_requests(cfg)
         capacity = per_engine and per_engine * getattr(engine, "engines", 1)
         self.multiturn = is_multiturn(cfg)
         if self.multiturn:  # conversations (rollout.env / generate_fn) instead of single responses
@@ -259,7 +260,8 @@ class FullyAsync:
                                         self.clocks.engine, self.clocks.trainer_waits, max_live=capacity)
 
     def step_batch(self, step: int):
-        from mcore_rl.dynamic_sampling import sample_step_batch, scored
+        from mcore_rl import ppo
+        from mcore_rl.dynamic_sampling import sample_step_batch
 
         own = self.next_step  # == step in a run (a test may train a step's groups under a later step)
         self.next_step += 1
@@ -285,7 +287,7 @@ class FullyAsync:
             batch = samples_batch(self.source, samples, self.experts,
                                   getattr(self.engine, "label", "the rollout engine"))
             if not self.multiturn:
-                return scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
+                return ppo.scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
             from mcore_rl.rollout.multiturn import scores
 
             taken.extend(samples)

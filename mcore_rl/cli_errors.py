@@ -16,6 +16,7 @@ tests/unit/test_cli_errors.py holds one row per refusal and entry point.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -25,6 +26,21 @@ EXIT_BAD_INPUT = 2
 
 class BadInput(ValueError):
     """A file, directory or setting given by the user is wrong; the message names it."""
+
+
+class ConfigError(BadInput):
+    """One or more config problems; `.errors` holds one line per problem (one problem: one line)."""
+
+    def __init__(self, errors: list[str] | str):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        sep = "\n  " if len(self.errors) > 1 else " "
+        super().__init__("invalid config:" + sep + sep.join(self.errors))
+
+
+def suggest(word: str, choices) -> str:
+    """" (did you mean 'X'?)" for the closest of `choices`, or ""."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # file-system errors outside our readers (a shard that cannot be opened, ...) are bad input too

@@ -12,7 +12,6 @@ every key, as docs/config.md.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import sys
@@ -23,7 +22,8 @@ from typing import Annotated, Any, Callable, Literal, Union
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from mcore_rl.cli_errors import BAD_INPUT, BadInput, read_yaml_mapping, report, yaml_load
+from mcore_rl import config_checks
+from mcore_rl.cli_errors import BAD_INPUT, BadInput, ConfigError, read_yaml_mapping, report, suggest, yaml_load
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 AdvEstimator = Literal["grpo", "gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
@@ -32,15 +32,6 @@ LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 Logger = Literal["console", "jsonl", "tensorboard", "wandb"]
 # a single value where a list is expected is a list of one (`data.train_files=a.parquet`)
 OneOrMany = BeforeValidator(lambda v: [v] if isinstance(v, str) else v)
-
-
-class ConfigError(BadInput):
-    """One or more config problems; `.errors` holds one line per problem (one problem: one line)."""
-
-    def __init__(self, errors: list[str] | str):
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        sep = "\n  " if len(self.errors) > 1 else " "
-        super().__init__("invalid config:" + sep + sep.join(self.errors))
 
 
 class Section(BaseModel):
@@ -133,7 +124,7 @@ class RolloutConfig(Section):
         "SGLang with an MoE model returns each token's routed experts (actor.routing_replay, rollout/route_agreement); "
         "each engine holds a host buffer of KV tokens x layers x top-k int32"))
     moe_config_dir: str | None = Field(None, description=(
-        "SGLang's fused-MoE tiles tuned for this model and GPU (SGLANG_MOE_CONFIG_DIR; benchmarks/tune_fused_moe.py "
+        "SGLang's fused-MoE tiles tuned for this model and GPU (SGLANG_MOE_CONFIG_DIR; scripts/tune_fused_moe.py "
         "writes one); null: the tiles SGLang ships, or its generic default where it ships none"))
     weight_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
         "fp8: the engine's linear weights are DeepSeek-V3's block FP8 (e4m3, a scale per 128 x 128 block), quantized "
@@ -158,9 +149,8 @@ class RolloutConfig(Section):
     fp8_kernels: Literal["triton", "deep_gemm", "deep_gemm_moe"] = Field("triton", description=(
         "weight_dtype=fp8 on GPUs: the engine's block-FP8 GEMMs. triton: SGLang's triton kernels, dense and fused MoE. "
         "deep_gemm: the dense GEMMs on DeepGEMM's JIT kernels (Hopper; sgl-deep-gemm installed), the fused MoE on "
-        "triton. deep_gemm_moe: the MoE on DeepGEMM's grouped GEMMs too. Compiled on first use (SGLang's 10-20 min "
-        "pre-compile off). The whole Moonlight, 128 requests, H100: triton 1.50x bf16's tokens/s, deep_gemm 1.57x, "
-        "deep_gemm_moe 1.23x (benchmarks/RESULTS.md, twelfth pass)"))
+        "triton. deep_gemm_moe: the MoE on DeepGEMM's grouped GEMMs too. Compiled on first use (SGLang's "
+        "pre-compile off). Their speeds: docs/performance.md"))
 
 
 class MemoryConfig(Section):
@@ -169,7 +159,7 @@ class MemoryConfig(Section):
     gpu_memory_gb: float | None = Field(None, gt=0, description="plan for this much per GPU; null: NVML's free memory")
     reserved_gb: float = Field(6.0, ge=0, description=(
         "per GPU outside both models' planned tensors: the trainer's and the engine's CUDA contexts, NCCL, "
-        "kernels, the released engine's leftovers (H100, Moonlight widths: 3.5 + 2.6 GiB)"))
+        "kernels, the released engine's leftovers"))
     offload_train_states: bool = Field(True, description="Megatron params/grads/optimizer to CPU while the engine runs")
     offload_ref: bool = Field(True, description="the frozen reference policy stays on the host between forwards (GPU)")
     grad_fp32: bool = Field(True, description="grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)")
@@ -192,8 +182,8 @@ class MemoryConfig(Section):
         "allocates across the offload/onload cycles (mcore_rl.memory.allocator); GPU only"))
     cuda_graph_gb: float | None = Field(None, ge=0, description="null: estimate from rollout.cuda_graph_max_bs")
     host_trainer_process_gb: float | None = Field(None, ge=0, description=(
-        "host memory of each process besides its states (mcore_rl.memory.host); null: the planner's estimates, 3 GiB "
-        "per trainer rank and 4 GiB per engine rank (with its tokenizer/detokenizer)"))
+        "host memory of each process besides its states; null: mcore_rl.memory.host's estimates "
+        "(TRAINER_PROCESS_GB per trainer rank, ENGINE_PROCESS_GB per engine rank with its tokenizer/detokenizer)"))
     host_engine_process_gb: float | None = Field(None, ge=0, description="as host_trainer_process_gb")
 
 
@@ -278,7 +268,7 @@ class ActorConfig(Section):
         "log-probs and update) and weigh them with their own live scores (docs/routing_replay.md)"))
     packed_attention: Literal["sdpa", "varlen"] | None = Field(None, description=(
         "varlen: one flash call per micro-batch (GPU); sdpa: a call per sequence (MLA's unequal q/v head widths keep "
-        "it off its flash kernel, 10x slower on H200: benchmarks/RESULTS.md, issue 15); null: varlen on GPUs"))
+        "it off its flash kernel); null: varlen on GPUs"))
     fused_logprobs: bool | None = Field(None, description=(
         "log-probs and entropies without fp32 [tokens, vocab] copies (mcore_rl.head); null: on with GPUs"))
     fused_adam: bool | None = Field(None, description="fused AdamW kernel, not torch's multi-tensor ops; null: on GPUs")
@@ -384,11 +374,6 @@ class Config(Section):
 
 
 # ----------------------------------------------------------------------------- building
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _type_name(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
@@ -434,13 +419,13 @@ def _message(error: dict) -> str:
     if error["type"] == "extra_forbidden":  # loc: the section's keys, then the unknown one
         prefix = f"{path}." if path else ""
         key = prefix + str(error["loc"][-1])
-        return f"unknown key {key!r}" + _suggest(key, [prefix + n for n in tp.model_fields])
+        return f"unknown key {key!r}" + suggest(key, [prefix + n for n in tp.model_fields])
     if error["type"].startswith(("greater_than", "less_than")) and not _range(field):  # a bounded union arm's
         return f"{path}: expected {_type_name(field.annotation)}, got {type(value).__name__} {value!r}"
     if error["type"].startswith(("greater_than", "less_than")):
         nullable = type(None) in typing.get_args(field.annotation)
         return f"{path} must be {_range(field)}{' or null' if nullable else ''}, got {value}"
-    close = _suggest(value, typing.get_args(tp)) if error["type"] == "literal_error" else ""
+    close = suggest(value, typing.get_args(tp)) if error["type"] == "literal_error" else ""
     return f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}{close}"
 
 
@@ -510,9 +495,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
         raise ConfigError(str(e)) from None
     cfg = config_from_dict(apply_overrides(data, overrides or []))
     if validate:
-        from mcore_rl.config_checks import validate_config
-
-        validate_config(cfg, model_info=model_info, available_gpus=available_gpus)
+        config_checks.validate_config(cfg, model_info=model_info, available_gpus=available_gpus)
     return cfg
 
 
@@ -554,23 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # as a script: the package's module, whose sections the checks below import
-    import mcore_rl.config
-    sys.exit(mcore_rl.config.main())
-
-# the checks against the cluster and the model (mcore_rl.config_checks), which take the sections above:
-# looked up there on first use, so either module may be imported first
-CHECKS = ("actor_gpus", "hf_model_dims", "inert_options", "max_running_requests", "recompute_choice", "require_model_dirs",
-          "returns_routes", "rollout_gpus", "transport_for", "validate_config")
-
-
-def __getattr__(name: str):
-    if name in CHECKS:
-        from mcore_rl import config_checks
-
-        return getattr(config_checks, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["Config", "ConfigError", "apply_overrides", "config_from_dict", "load_config", "schema", "to_dict",
-           "to_yaml", *CHECKS]
+           "to_yaml"]
+
+if __name__ == "__main__":  # as a script: the package's module, the one every other module's isinstance checks see
+    import mcore_rl.config
+
+    sys.exit(mcore_rl.config.main())

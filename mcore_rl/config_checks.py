@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from mcore_rl.cli_errors import BadInput, hf_config
-from mcore_rl.config import Config, ConfigError, ModelConfig, _suggest
+from mcore_rl.cli_errors import BadInput, ConfigError, hf_config, suggest
 from mcore_rl.model_checks import hf_config_problems, num_experts
+
+if TYPE_CHECKING:  # the sections it checks; mcore_rl.config imports this module for load_config
+    from mcore_rl.config import Config, ModelConfig
 
 
 def hf_model_dims(model: ModelConfig) -> dict | None:
@@ -266,7 +268,7 @@ def _check_moe_config_dir(cfg: Config, errors: list[str]) -> None:
         errors.append("rollout.moe_config_dir is SGLang's (SGLANG_MOE_CONFIG_DIR); "
                       f"rollout.engine is {cfg.rollout.engine}")
     elif not os.path.isdir(os.path.join(where, "configs")):  # SGLang would fall back to its defaults silently
-        errors.append(f"rollout.moe_config_dir={where} holds no configs/ folder (benchmarks/tune_fused_moe.py "
+        errors.append(f"rollout.moe_config_dir={where} holds no configs/ folder (scripts/tune_fused_moe.py "
                       "writes one)")
 
 
@@ -298,7 +300,7 @@ def _check_algorithm(cfg: Config, errors: list[str]) -> None:
     if d.task is not None:
         from mcore_rl.data.tasks import TASKS
         if d.task not in TASKS:
-            errors.append(f"data.task: unknown task {d.task!r}{_suggest(d.task, TASKS)}; known: {sorted(TASKS)}")
+            errors.append(f"data.task: unknown task {d.task!r}{suggest(d.task, TASKS)}; known: {sorted(TASKS)}")
     if "wandb" in cfg.trainer.logger and not cfg.trainer.project:
         errors.append("trainer.project must be set for the wandb logger")
 
@@ -344,7 +346,8 @@ def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
         errors.append(f"rollout.weight_dtype=fp8 is wired for DeepSeek-V3-style models, not {hf.get('model_type')}")
     elif hf is not None and cfg.rollout.engine == "sglang":  # SGLang would refuse at start; say why here
         from mcore_rl.models.config import HFModel
-        from mcore_rl.sync.plan import EngineLayout, fp8_misfits
+        from mcore_rl.sync.engine_layout import EngineLayout
+        from mcore_rl.sync.plan import fp8_misfits
 
         tp = cfg.rollout.tp_size
         errors.extend(f"rollout.weight_dtype=fp8: {line}" for line in

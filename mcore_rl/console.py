@@ -14,15 +14,21 @@ Before the first step, `StartConsole` prints one line per start-up phase with it
 
 and, while a phase runs longer than a few seconds, a line saying what is running (on a terminal,
 kept on the last line and replaced by the phase's line when it ends).
+
+Also what every process leaves out: megatron-core's warnings about its own fallbacks, which no
+user acts on (`quiet_fallback_warnings`); a run names the missing accelerators once instead
+(`accelerators_line`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import re
 import sys
 import threading
 import time
+import warnings
 
 BAR_WIDTH = 30
 
@@ -82,6 +88,47 @@ class StepConsole:
             self.stream.write("\n")
             self.stream.flush()
             self._bar_shown = False
+
+
+# optional accelerators megatron-core falls back from: (name, module)
+ACCELERATORS = (("TransformerEngine", "transformer_engine"), ("Apex", "apex"))
+
+# what megatron-core (and torch beneath it) warns about in every process, at import or first use,
+# none of it the user's to act on: (message regex, module regex)
+_NOT_ACTIONABLE = (
+    (r"(Transformer Engine and Apex are|Apex is) not installed", r"megatron\."),
+    (r"full scope is deprecated", r"megatron\."),  # megatron's own cuda_graph_scope default
+    (r"The \.grad attribute of a Tensor that is not a leaf", r"megatron\."),
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", r"torch\."),
+)
+
+
+def quiet_fallback_warnings() -> None:
+    """Silence the warnings above in this process (idempotent); call before megatron is imported.
+    A run names the missing accelerators once instead (`accelerators_line`)."""
+    for message, module in _NOT_ACTIONABLE:  # filterwarnings replaces an identical filter
+        warnings.filterwarnings("ignore", message=message, module=module)
+
+
+def missing_accelerators() -> list[str]:
+    return [name for name, module in ACCELERATORS if not importable(module)]
+
+
+def accelerators_line() -> str:
+    missing = missing_accelerators()
+    if not missing:
+        return "optional accelerators: " + ", ".join(name for name, _ in ACCELERATORS) + " present"
+    return (f"optional accelerators not installed: {', '.join(missing)} "
+            "(megatron-core uses its local PyTorch fallbacks)")
+
+
+def importable(module: str) -> bool:
+    """Whether `module` imports (absent, or present but unusable: megatron falls back either way)."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # absent, or present but unusable: megatron falls back either way
+        return False
+    return True
 
 
 START_PREFIX = "start: "

@@ -61,7 +61,7 @@ class Context:
 # (distribution, required, specifier used when mcore_rl's own metadata is unavailable, install hint)
 PACKAGES = [
     ("torch", True, ">=2.6", "pip install torch (CPU: --index-url https://download.pytorch.org/whl/cpu)"),
-    ("megatron-core", True, "==0.16.1", "pip install megatron-core==0.16.1 (mcore_rl's compat patches target it)"),
+    ("megatron-core", True, "==0.16.1", "pip install megatron-core==0.16.1 (mcore_rl's patches target it)"),
     ("transformers", True, ">=5.0", "pip install 'transformers>=5'"),
     ("ray", True, ">=2.40", "pip install 'ray[default]>=2.40'"),
     ("nvidia-ml-py", True, ">=12.0", "pip install nvidia-ml-py"),

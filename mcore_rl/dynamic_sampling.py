@@ -15,6 +15,7 @@ import torch
 from typing import Callable
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl import ppo
 from mcore_rl.algos.dapo import varied_groups
 
@@ -91,19 +92,12 @@ def expert_layout(cfg: C.Config):
     """The layout of the routes the engines return (routing replay), or None when they return none."""
     from mcore_rl.routing import ExpertLayout
 
-    return ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
-
-
-def scored(cfg: C.Config, source, idx: list[int], batch: dict, score: torch.Tensor | None = None):
-    """(batch, idx, score, reward) of a generated batch: rule scores (unless given: a conversation's
-    come from its environment), and rewards after shaping."""
-    score = ppo.scores(source, idx, batch) if score is None else score.float()
-    return batch, idx, score, score + ppo.reward_shaping(cfg, batch)
+    return ExpertLayout.of(config_checks.hf_model_dims(cfg.model)) if config_checks.returns_routes(cfg) else None
 
 
 def _generate(cfg, engine, source, prompts: list[int], seed: int, experts):
     idx = [i for i in prompts for _ in range(cfg.rollout.n)]
-    return scored(cfg, source, idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed), experts))
+    return ppo.scored(cfg, source, idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed), experts))
 
 
 def round_size(cfg: C.Config, step_prompts: int) -> int:

@@ -1,13 +1,10 @@
 """Per-step metrics to the console, metrics.jsonl, TensorBoard and (optionally) Weights & Biases.
 
     with MetricsLogger(run_dir, ["console", "jsonl", "tensorboard"], config=to_dict(cfg)) as log:
-        metrics = {}
-        with timed("gen", metrics):
-            ...
-        metrics.update(rollout_metrics(scores, rewards, adv, returns, response_mask, max_response_len))
-        log.log(metrics, step)
+        log.log(metrics, step)   # one record a step
 
-Metric names follow verl (critic/score/mean, actor/entropy, timing_s/gen, ...). Secrets never
+The names are the ones mcore_rl.train logs (reward/mean, actor/entropy, timing/rollout, sync/seconds,
+memory/gpu_peak_gib_train, ...; mcore_rl.plot draws them). Secrets never
 reach any sink: the values of environment variables whose names contain KEY/TOKEN/SECRET/
 PASSWORD/CREDENTIAL are masked wherever they appear, and config or metric keys that end in
 such a word (api_key, hf_token, password) are masked or dropped.
@@ -22,7 +19,6 @@ import platform
 import re
 import sys
 import time
-from contextlib import contextmanager
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -78,44 +74,6 @@ def _scalar(value) -> float | int | None:
     if isinstance(value, (int, float)):
         return value
     return None
-
-
-@contextmanager
-def timed(name: str, into: dict):
-    """Adds the wall time of the block to into["timing_s/<name>"] (accumulating repeats)."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        key = f"timing_s/{name}"
-        into[key] = into.get(key, 0.0) + time.perf_counter() - start
-
-
-def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    values = values.float()
-    if values.numel() == 0:
-        return {}
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
-            f"{prefix}/min": values.min().item()}
-
-
-@torch.no_grad()
-def rollout_metrics(token_level_scores: torch.Tensor, token_level_rewards: torch.Tensor,
-                    advantages: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
-                    max_response_len: int | None = None, prompt_mask: torch.Tensor | None = None
-                    ) -> dict[str, float]:
-    """verl's data metrics of one step's batch: scores, rewards, advantages, returns, lengths."""
-    mask = response_mask.bool()
-    lengths = response_mask.sum(-1).float()
-    out = {**_stats("critic/score", token_level_scores.sum(-1)),
-           **_stats("critic/rewards", token_level_rewards.sum(-1)),
-           **_stats("critic/advantages", advantages[mask]), **_stats("critic/returns", returns[mask]),
-           **_stats("response_length", lengths)}
-    if max_response_len:
-        out["response_length/clip_ratio"] = (lengths >= max_response_len).float().mean().item()
-    if prompt_mask is not None:
-        out.update(_stats("prompt_length", prompt_mask.sum(-1)))
-    return out
 
 
 def run_info() -> dict:

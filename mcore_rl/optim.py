@@ -5,7 +5,7 @@ ranks (dense params over DP, routed experts over expert-DP); each rank updates o
 the fp32 main params and Adam moments, then the new params are all-gathered. So optimizer memory
 per GPU falls with DP, and bf16 training keeps fp32 master weights. `finalize_model_grads` also
 all-reduces the sequence-parallel grads (norms, router) over TP and applies MoE expert-bias updates.
-Runs on CPU/gloo (with mcore_rl.compat) and on GPU/NCCL alike.
+Runs on CPU/gloo (with mcore_rl.patches) and on GPU/NCCL alike.
 """
 
 from __future__ import annotations

@@ -81,9 +81,9 @@ def init_distributed(layout: Layout = Layout(), *, rank: int | None = None,
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from mcore_rl import compat
+    from mcore_rl import patches
 
-    compat.apply()
+    patches.apply()
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank

@@ -67,7 +67,7 @@ def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather:
         k, packed = next(data)
         if before_forward is not None:
             before_forward(k)
-        with record_function("model/forward"):  # named ranges: benchmarks/profile_breakdown.py
+        with record_function("model/forward"):  # named ranges: benchmarks/actor_bench.py breakdown()
             out = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.seq_params(),
                         padding_mask=packed.filler)
 

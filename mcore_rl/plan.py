@@ -10,20 +10,21 @@ plan fits, 1 with the refusal (phase or node and shortfall) when it does not, 2 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
 from mcore_rl.cli_errors import BAD_INPUT, report
-from mcore_rl.config import ConfigError, hf_model_dims, load_config, recompute_choice
+from mcore_rl.config import ConfigError, load_config
+from mcore_rl.config_checks import hf_model_dims, recompute_choice
 from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
-from mcore_rl.memory.host import HostInputs
-from mcore_rl.memory.planner import (AUTO_BUDGET_MAX, RECOMPUTE_BY_COST, Plan, PlanError, PlanInputs, make_plan,
-                                     pick_micro_batch)
+from mcore_rl.memory.host import HostInputs, plan_with_host
+from mcore_rl.memory.planner import AUTO_BUDGET_MAX, RECOMPUTE_BY_COST, MemoryPlanError, Plan, PlanInputs, pick_micro_batch
 from mcore_rl.models.config import HFModel
 
 
 def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
-    """The plan of a validated Config, host memory included; raises PlanError when it cannot fit."""
+    """The plan of a validated Config, host memory included; raises MemoryPlanError when it cannot fit."""
     source = "given"
     if capacity is None:
         capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
@@ -42,9 +43,10 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
     else:  # whole sequences: micro_batch_size of them
         budget, name = a.micro_batch_size * seq, None
     host = HostInputs.from_config(cfg)
+    with_host = functools.partial(plan_with_host, h=host)
     inputs, line = pick_micro_batch(hf, lambda t, m: PlanInputs.from_config(cfg, capacity, budget=t, recompute=m),
-                                    budget=budget, modes=modes, min_budget=seq, name=name, host=host)
-    plan = make_plan(hf, inputs, host)
+                                    budget=budget, modes=modes, min_budget=seq, name=name, refused_plan=with_host)
+    plan = with_host(hf, inputs)
     plan.notes.insert(0, line)
     return plan, source
 
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, source = plan_for_config(cfg)
     except (*BAD_INPUT, GpuSelectionError) as e:
         return report(e)
-    except PlanError as e:
+    except MemoryPlanError as e:
         if e.plan is not None:
             print(e.plan.table())
         print(f"\n{e}", file=sys.stderr)

@@ -141,6 +141,13 @@ def correct_rollout(cfg: C.Config, batch: dict) -> dict:
     return metrics
 
 
+def scored(cfg: C.Config, source, idx: list[int], batch: dict, score: torch.Tensor | None = None):
+    """(batch, idx, score, reward) of a generated batch: rule scores (unless given: a conversation's
+    come from its environment), and rewards after shaping."""
+    score = scores(source, idx, batch) if score is None else score.float()
+    return batch, idx, score, score + reward_shaping(cfg, batch)
+
+
 def advantages(cfg: C.Config, batch: dict, score: torch.Tensor, idx: list[int], kl_ctrl=None) -> dict:
     """Token-level rewards (score on the last response token, minus beta * KL when
     algorithm.use_kl_in_reward) -> batch["advantages"], batch["returns"]; returns metrics."""
@@ -180,7 +187,9 @@ def _masked_stats(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict:
 
 def data_metrics(batch: dict, score: torch.Tensor, rewards: torch.Tensor) -> dict:
     mask = batch["response_mask"]
+    lengths = mask.sum(1)
     out = {"critic/score/mean": score.mean().item(), "critic/rewards/mean": rewards.sum(1).mean().item(),
+           "response/length_max": lengths.max().item(), "response/length_min": lengths.min().item(),
            **_masked_stats("critic/advantages", batch["advantages"], mask),
            **_masked_stats("critic/returns", batch["returns"], mask)}
     if batch.get("values") is not None:

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl.cli_errors import BadInput
 from mcore_rl.model_checks import unread_keys_warning
 from mcore_rl.rollout import engine_kwargs
@@ -33,18 +34,18 @@ class Inputs:
 def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: str | None = None) -> Inputs:
     """replay: the directory of dumped rollouts the run trains on (it reads no prompts)."""
     check_output_dir(cfg.trainer)
-    check_same_model(os.path.abspath(cfg.trainer.output_dir), C.hf_model_dims(cfg.model))
+    check_same_model(os.path.abspath(cfg.trainer.output_dir), config_checks.hf_model_dims(cfg.model))
     if cfg.trainer.rollout_dump_dir:
         check_dir_to_write(cfg.trainer.rollout_dump_dir, "trainer.rollout_dump_dir")
     if replay:
         from mcore_rl.rollout_dump import check_replay
 
-        check_replay(replay, C.hf_model_dims(cfg.model))
+        check_replay(replay, config_checks.hf_model_dims(cfg.model))
     _check_multiturn_code(cfg)
     tokenizer_here = _check_model_files(cfg, dry_run)
     _warn_unread_hf_keys(cfg.model)
     engine_kwargs.check_known(cfg.rollout.engine, cfg.rollout.engine_kwargs, cfg.cluster.device)
-    for line in C.inert_options(cfg):
+    for line in config_checks.inert_options(cfg):
         print(line, file=sys.stderr, flush=True)
     return Inputs(None, None) if replay else _prompt_sources(cfg, tokenize=tokenizer_here)
 
@@ -105,7 +106,7 @@ def _check_model_files(cfg: C.Config, dry_run: bool) -> bool:
     m = cfg.model
     tokenizer = m.tokenizer_path or m.hf_path
     if not dry_run:
-        C.require_model_dirs(cfg)
+        config_checks.require_model_dirs(cfg)
         if m.tokenizer_path and not os.path.isdir(m.tokenizer_path):
             kind = "not a directory" if os.path.exists(m.tokenizer_path) else "no such directory"
             raise BadInput(f"{m.tokenizer_path}: {kind} (model.tokenizer_path)")
@@ -115,7 +116,7 @@ def _check_model_files(cfg: C.Config, dry_run: bool) -> bool:
 def _warn_unread_hf_keys(m: C.ModelConfig) -> None:
     """An HF-config key nothing reads is not dropped without a word (the embedded config, else
     hf_path's config.json)."""
-    hf = C.hf_model_dims(m)
+    hf = config_checks.hf_model_dims(m)
     if hf is None:
         return
     where = "model.hf_config" if m.hf_config is not None else os.path.join(m.hf_path, "config.json")

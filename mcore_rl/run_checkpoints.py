@@ -112,7 +112,8 @@ def _set_aside(path: str) -> None:
 class Checkpointer:
     """The driver's side of saving: `begin(step, state)` has the actors write (in the background
     with `background`), `finish()` completes the newest one: trainer state, manifest, rename,
-    rotation to the newest `keep` complete checkpoints."""
+    rotation to the newest `keep` complete checkpoints. The caller finishes a foreground save once
+    its step's metrics are logged; a background one once the next step has trained."""
 
     def __init__(self, root: str, group, hf_dir: str, keep: int | None = None, background: bool = False):
         self.root, self.group, self.hf_dir, self.keep, self.background = root, group, hf_dir, keep, background
@@ -129,9 +130,7 @@ class Checkpointer:
             _set_aside(self.tmp(step))
             os.makedirs(self.tmp(step))
             self.group.call("save", self.tmp(step), self.background)
-        self.pending = (step, state)
-        if not self.background:
-            self.finish()
+        self.pending = (step, state)  # finish() completes it: the caller's, or the next begin()
 
     @contextlib.contextmanager
     def _failing_save(self, step: int):

@@ -20,6 +20,7 @@ import time
 import torch
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl import run_checkpoints as run_ckpt
 from mcore_rl.run_checkpoints import Checkpointer
 from mcore_rl.parallel import rendezvous_on
@@ -101,7 +102,7 @@ def trainer_placement(cfg: C.Config):
     cluster.placement_timeout_s."""
     from mcore_rl.placement_deadline import reserve
 
-    n = C.actor_gpus(cfg)
+    n = config_checks.actor_gpus(cfg)
     bundle = {"CPU": 1} if cfg.cluster.device == "cpu" else {"GPU": 1, "CPU": 1}
     return reserve([bundle] * n, f"the {n} trainer rank(s)", cfg.cluster.placement_timeout_s)
 
@@ -115,7 +116,7 @@ class ActorGroup:
 
         from mcore_rl.actor import MegatronActor
 
-        n = C.actor_gpus(cfg)
+        n = config_checks.actor_gpus(cfg)
         cpu = cfg.cluster.device == "cpu"
         self.pg = pg if pg is not None else trainer_placement(cfg)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -233,7 +234,7 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, source, prompt_idx,
                                                                cfg.trainer.seed * 100003 + step)
     if cfg.trainer.rollout_dump_dir:
-        dump_rollout(cfg.trainer.rollout_dump_dir, step, batch, idx, score, reward, C.hf_model_dims(cfg.model))
+        dump_rollout(cfg.trainer.rollout_dump_dir, step, batch, idx, score, reward, config_checks.hf_model_dims(cfg.model))
     times["timing/rollout"] = time.perf_counter() - t0
     t = time.perf_counter()
     phases.to_train()
@@ -302,7 +303,7 @@ def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str, start=None) ->
 
 def memory_plan(cfg: C.Config):
     """The memory plan of a GPU run (None on CPU), made before anything takes GPU memory, so that
-    its capacity is the GPUs' free memory; a plan that cannot fit raises PlanError here. The
+    its capacity is the GPUs' free memory; a plan that cannot fit raises MemoryPlanError here. The
     config's "auto" budget and recompute become the plan's picks (on CPU, their defaults)."""
     from mcore_rl.plan import apply_choice, plan_for_config, settle_without_plan
 
@@ -391,7 +392,7 @@ def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, repla
         from mcore_rl.rollout_dump import RolloutReplay
 
         if replay:
-            engine = RolloutReplay(replay, C.hf_model_dims(cfg.model))
+            engine = RolloutReplay(replay, config_checks.hf_model_dims(cfg.model))
         else:
             if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
                 with start_console.phase("offloading the trainer's states"):
@@ -414,6 +415,8 @@ def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, repla
                                       total_steps(cfg, train_task, engine), start)
             sync = rollout.sync
         phases = Phases(cfg, group, engine, sync, plan)
+        if plan is not None:  # the budgets the plot draws each phase's measured peak against
+            first.update(plan.metrics())
         start_console.done(f"ready for step {start + 1}")
         with _torch_threads(1):
             return _loop(cfg, group, rollout, phases, train_task, val_task, run_dir, ckpt, start, state, first)
@@ -440,8 +443,8 @@ def _load(group: ActorGroup, step_dir: str) -> None:
 @contextlib.contextmanager
 def _torch_threads(n: int):
     """The loop's own tensors are one batch's, small: an OpenMP team over every core of a GPU host
-    would spin on cores the engines and the trainer hold (suspected of 0.2-0.6 s a step, RESULTS.md
-    ninth pass). The caller's setting comes back after."""
+    would spin on cores the engines and the trainer hold (suspected of costing time each step:
+    docs/performance.md). The caller's setting comes back after."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -469,7 +472,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     console = StepConsole(total, start) if short else None  # its clock starts with the first step
     if console and "val/reward" in before:
         console.note(f"validation reward before training: {before['val/reward']:.3f}")
-    if before:
+    if before:  # the first sync (and validation): a resumed run's adds to the step it resumed from
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
     PROGRESS["total"] = total
@@ -478,7 +481,6 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         prompts = step_prompts(cfg, train_task, step) if train_task else []  # a replay trains on dumped batches
         metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
         ckpt.finish()  # a background save of the step before is complete once this step has trained
-        logger.log(metrics, step=step)  # before the checkpoint: a resumed run never lacks a saved step
         save = None
         if run_ckpt.saves_at(step, total, t.save_freq, t.save_last):
             saved = {"kl_coef": kl_ctrl.value} if kl_ctrl else {}
@@ -493,8 +495,10 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
             after.update(validate(cfg, engine, val_task))
             after["timing/validate"] = time.perf_counter() - t0
         after.update(phases.mon.take())  # this step's peaks: rollout, train, save, sync
-        logger.log(after, step=step)
         metrics.update(after)
+        logger.log(metrics, step=step)  # one record a step
+        if not ckpt.background:  # the checkpoint completes after its step's record: a resumed run never lacks it
+            ckpt.finish()
         PROGRESS.update(step=None, done=step)
         if console:
             console.show(step, metrics)
@@ -561,7 +565,7 @@ def dry_run(cfg: C.Config) -> list[str]:
     from mcore_rl.rollout.placement import plan_placement
 
     c, p = cfg.cluster, cfg.parallel
-    world = C.actor_gpus(cfg)
+    world = config_checks.actor_gpus(cfg)
     units = "GPUs" if c.device == "gpu" else "processes"  # on CPU a gloo process stands in for a GPU
     model = cfg.model.hf_path or "embedded hf_config (random init)"
     if cfg.model.hf_path and not os.path.isdir(cfg.model.hf_path):
@@ -574,17 +578,17 @@ def dry_run(cfg: C.Config) -> list[str]:
     else:
         lines += plan_placement(cfg).describe(units)
         check = "a log-prob check" if cfg.rollout.engine == "vllm" else "read-back"
-        lines.append(f"weight sync: {C.transport_for(cfg)}, verified by {check} after the first sync"
+        lines.append(f"weight sync: {config_checks.transport_for(cfg)}, verified by {check} after the first sync"
                      + (f" and every {cfg.rollout.verify_sync_every} steps" if cfg.rollout.verify_sync_every else ""))
     if c.device == "gpu":
         from mcore_rl.memory.gpus import GpuSelectionError
-        from mcore_rl.memory.planner import PlanError
+        from mcore_rl.memory.planner import MemoryPlanError
         from mcore_rl.plan import plan_for_config
 
         try:
             plan, source = plan_for_config(cfg)
             lines += ["memory plan per GPU (capacity from " + source + "):", *plan.table().splitlines()]
-        except PlanError as e:
+        except MemoryPlanError as e:
             lines += [*(e.plan.table().splitlines() if e.plan else []), f"{PLAN_REFUSED}: {e}"]
         except GpuSelectionError as e:
             lines.append(f"memory plan: not made here ({e})")
@@ -600,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     a = p.parse_intermixed_args(argv)  # options may follow the overrides
     from mcore_rl.cli_errors import BAD_INPUT, report
-    from mcore_rl.compat import quiet_fallback_warnings
+    from mcore_rl.console import quiet_fallback_warnings
 
     quiet_fallback_warnings()  # the driver imports megatron too (plans, sync layout)
     from mcore_rl.placement_deadline import PlacementTimeout
@@ -621,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.memory.gpus import GpuSelectionError
     from mcore_rl.dynamic_sampling import RefillsExhausted
     from mcore_rl.cli_errors import BadInput, message
-    from mcore_rl.memory.planner import PlanError
+    from mcore_rl.memory.planner import MemoryPlanError
     from mcore_rl.rollout.base import EngineError
 
     t0 = time.perf_counter()
@@ -639,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         cause = getattr(e, "cause", None) or e  # met by a trainer rank in a weight sync: Ray wraps it
         print(f"error: {cause}; the same command resumes from the last checkpoint", file=sys.stderr)
         return 1
-    except PlanError as e:  # from memory_plan, before anything started
+    except MemoryPlanError as e:  # from memory_plan, before anything started
         if e.plan is not None:
             print(e.plan.table())
         print(f"error: {e}", file=sys.stderr)

@@ -21,9 +21,9 @@ per concern; they share the state `core` builds (self.cfg, self.ps, self.model, 
     checkpoint_io.py  save (in the background or not), finish_save, load
 """
 
-from mcore_rl import compat
+from mcore_rl import console
 
-compat.quiet_fallback_warnings()  # before megatron is imported: rank 0 names what is missing once
+console.quiet_fallback_warnings()  # before megatron is imported: rank 0 names what is missing once
 
 from mcore_rl.actor.core import MegatronActor  # noqa: E402
 from mcore_rl.actor.logprobs import token_logprobs  # noqa: E402

@@ -8,14 +8,14 @@ import os
 
 import torch
 
-from mcore_rl import compat, optim
+from mcore_rl import console, optim
 from mcore_rl.actor.checkpoint_io import Checkpoints
 from mcore_rl.actor.lockstep import Lockstep
 from mcore_rl.actor.logprobs import PerToken
 from mcore_rl.actor.memory import MemoryMoves
 from mcore_rl.actor.routes import RouteReplay
 from mcore_rl.actor.update import Update
-from mcore_rl.config import recompute_choice
+from mcore_rl.config_checks import recompute_choice
 
 
 class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Lockstep):
@@ -39,7 +39,7 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
 
         use_expandable_segments(cfg["memory"]["expandable_segments"])  # before anything is allocated
         if rank == 0:
-            print(compat.accelerators_line(), flush=True)
+            print(console.accelerators_line(), flush=True)
         unsettled = [k for k, v in (("actor.ppo_max_token_len_per_gpu", cfg["actor"]["ppo_max_token_len_per_gpu"]),
                                     ("memory.recompute", cfg["memory"]["recompute"])) if v == "auto"]
         if unsettled:

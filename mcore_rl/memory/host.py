@@ -29,10 +29,11 @@ import math
 from dataclasses import dataclass
 
 from mcore_rl.memory.layout import inventory, megatron_rank_numel
-from mcore_rl.memory.planner import GiB, Plan, PlanError, PlanInputs, moment_bytes, optimizer_elements, trainer_bytes
+from mcore_rl.memory.planner import (GiB, Plan, MemoryPlanError, PlanInputs, make_plan, moment_bytes, optimizer_elements,
+                                     trainer_bytes)
 from mcore_rl.models.config import HFModel
 
-# measured on one H100 at Moonlight widths (benchmarks/RESULTS.md, issue 24): a trainer rank's RSS
+# measured on one H100 at Moonlight widths (benchmarks/RESULTS.md at d90d714, issue 24): a trainer rank's RSS
 # beside its pinned buffers was 7.4 GiB (torch, megatron, the CUDA context's host side, NCCL); an
 # SGLang engine rank's processes 4.3 GiB (scheduler 2.2, detokenizer 1.0, its Ray actor 1.05)
 TRAINER_PROCESS_GB = 8.0
@@ -49,7 +50,7 @@ ITEMS = (STATES, OPT, REF, CKPT, TRAINER, ENGINE)
 NOT_GIVEN = "node RAM not given; host plan not checked"
 
 
-class HostPlanError(PlanError):
+class HostPlanError(MemoryPlanError):
     """A node's host memory exceeds its RAM; carries the plan (GPU and host tables)."""
 
     def __init__(self, plan: Plan):
@@ -78,7 +79,7 @@ class HostInputs:
 
     @classmethod
     def from_config(cls, cfg) -> "HostInputs":
-        from mcore_rl.config import rollout_gpus
+        from mcore_rl.config_checks import rollout_gpus
 
         c, m, r, a, alg = cfg.cluster, cfg.memory, cfg.rollout, cfg.actor, cfg.algorithm
         total, gpu = c.nnodes * c.n_gpus_per_node, c.device == "gpu"  # the offloaders move CUDA tensors only
@@ -176,3 +177,18 @@ def make_host_plan(hf: HFModel, i: PlanInputs, h: HostInputs) -> HostPlan:
     for g in h.engine_gpus:
         nodes[g // h.gpus_per_node][ENGINE] += h.engine_process
     return HostPlan(nodes, h.ram, h.ram_source)
+
+
+def plan_with_host(hf: HFModel, i: PlanInputs, h: HostInputs) -> Plan:
+    """The GPU plan carrying host memory per node: a node over its RAM raises HostPlanError after
+    the GPU checks (a GPU refusal is never hidden behind it), and a refused GPU plan's tables show
+    the host's too."""
+    try:
+        plan = make_plan(hf, i)
+    except MemoryPlanError as e:
+        if e.plan is not None:
+            e.plan.host = make_host_plan(hf, i, h)
+        raise
+    plan.host = make_host_plan(hf, i, h)
+    plan.host.check(plan)
+    return plan

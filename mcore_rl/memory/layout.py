@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mcore_rl.models.config import HFModel
+from mcore_rl.models.config import HFModel, stage_layers
 
 @dataclass(frozen=True)
 class Weight:
@@ -71,19 +71,6 @@ def inventory(hf: HFModel) -> tuple[Weight, ...]:
 
 
 # ----------------------------------------------------------------------------- megatron side
-def stage_layers(hf: HFModel, pp: int) -> list[range]:
-    """Layers of each pipeline stage, as `models.transformer_config` splits them (remainder last)."""
-    n = hf.num_layers
-    if n % pp == 0:
-        per = [n // pp] * pp
-    else:
-        first = n // pp
-        last = n - (pp - 1) * first
-        per = [first] * (pp - 1) + [last]
-    starts = [sum(per[:i]) for i in range(pp)]
-    return [range(s, s + c) for s, c in zip(starts, per)]
-
-
 def megatron_rank_numel(weights, hf: HFModel, *, tp: int, pp: int, ep: int, etp: int,
                         stage: int) -> dict[str, int]:
     """Elements one rank of `stage` holds: {'dense': .., 'expert': .., 'buffer': ..}.
@@ -91,7 +78,7 @@ def megatron_rank_numel(weights, hf: HFModel, *, tp: int, pp: int, ep: int, etp:
     Dense parameters are data-parallel replicas of each other; expert parameters are replicas
     over expert-DP. Every EP rank holds the same number of experts, so rank 0 of each is taken.
     """
-    layers = stage_layers(hf, pp)[stage]
+    layers = stage_layers(hf.num_layers, pp)[stage]
     local_experts = range(hf.num_experts // ep) if hf.num_experts else range(0)
     out = {"dense": 0, "expert": 0, "buffer": 0}
     for w in weights:

@@ -23,7 +23,7 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                "moe" recompute does not drop them.
                ACT depends on the packed attention (actor.packed_attention). "varlen" (one flash
                call, the GPU default): ACT = 21, fitted on seven 2 x H200 EP=2 runs of 8 Moonlight
-               layers at 14-16 k-token micro-batches (benchmarks/RESULTS.md, issue 15): every
+               layers at 14-16 k-token micro-batches (benchmarks/RESULTS.md at d90d714, issue 15): every
                recompute and offload choice within 2.3 % of the measured peak; then, with the EP
                term split off, on 1 x H100 and 1 x H200 EP=1 loop runs of 4 and 8 layers at 16 k
                tokens (a flat 42 at every EP was 5-6 % high there); at EP=1 and 6.3 k tokens
@@ -84,10 +84,10 @@ frees them (`empty_cache`) before the rollout.
 
 Phases: train (engine released), sync (engine weights resumed, trainer's weights still on the GPU,
 its other states released), rollout (KV cache and CUDA graphs resumed). A phase over capacity
-raises PlanError(phase, shortfall).
+raises MemoryPlanError(phase, shortfall).
 
 Host memory per node (`mcore_rl.memory.host`, given HostInputs): made with the GPU plan, shown
-after its table, and refused (HostPlanError, a PlanError) once the GPU plan fits.
+after its table, and refused (HostPlanError, a MemoryPlanError) once the GPU plan fits.
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from mcore_rl.memory.layout import engine_tensors, inventory, megatron_rank_numel, stage_layers
-from mcore_rl.models.config import HFModel
+from mcore_rl.memory.layout import engine_tensors, inventory, megatron_rank_numel
+from mcore_rl.models.config import HFModel, stage_layers
 
-if TYPE_CHECKING:  # host.py imports this module
-    from mcore_rl.memory.host import HostInputs, HostPlan
+if TYPE_CHECKING:  # host.py imports this module and fills Plan.host
+    from mcore_rl.memory.host import HostPlan
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -109,7 +109,7 @@ SYNC_BUCKETS = 3  # two bucket buffers in flight and the gathers filling one (do
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-class PlanError(RuntimeError):
+class MemoryPlanError(RuntimeError):
     """A phase does not fit on the GPU; carries the plan so the table can show where."""
 
     def __init__(self, phase: str, shortfall: int, plan: "Plan | None" = None, why: str = ""):
@@ -175,7 +175,7 @@ class PlanInputs:
     @classmethod
     def from_config(cls, cfg, capacity: int, budget: int | None = None, recompute: str | None = None) -> "PlanInputs":
         """budget, recompute: in place of the config's (its "auto": AUTO_BUDGET_MAX, none)."""
-        from mcore_rl.config import actor_gpus, max_running_requests, recompute_choice
+        from mcore_rl.config_checks import actor_gpus, max_running_requests, recompute_choice
 
         a, r, m, d, p = cfg.actor, cfg.rollout, cfg.memory, cfg.data, cfg.parallel
         seq = d.max_prompt_length + r.max_response_len
@@ -222,6 +222,17 @@ class Plan:
         rollout, pinned = self.phases["rollout"], "engine cuda graphs" in self.phases["train"]
         return {"weights": rollout["engine weights"],
                 "kv_cache": rollout["engine kv cache"] + (0 if pinned else rollout["engine cuda graphs"])}
+
+    def metrics(self) -> dict[str, float]:
+        """The plan as run metrics, in GiB: each phase's total per GPU, the GPU capacity and, when
+        planned, the fullest node's host memory and RAM (memory/*_peak_gib_* are the readings)."""
+        out = {f"plan/gpu_gib_{ph}": self.total(ph) / GiB for ph in PHASES}
+        out["plan/gpu_capacity_gib"] = self.inputs.capacity / GiB
+        if self.host is not None:
+            out["plan/host_gib"] = self.host.total(self.host.fullest) / GiB
+            if self.host.ram is not None:
+                out["plan/host_ram_gib"] = self.host.ram / GiB
+        return out
 
     def shortfalls(self) -> dict[str, int]:
         return {ph: self.total(ph) - self.inputs.capacity for ph in PHASES
@@ -300,7 +311,7 @@ def step_temporary_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
 def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
     """Stored activations of the stage's micro-batches in flight, plus the output head."""
     T, h, E = i.micro_tokens, hf.hidden_size, hf.num_experts
-    layers = stage_layers(hf, i.pp)[stage]
+    layers = stage_layers(hf.num_layers, i.pp)[stage]
 
     routed = T * hf.num_experts_per_tok // i.tp * (2 * h + 3 * hf.moe_intermediate_size // i.etp) * 2
     dispatch = T * hf.num_experts_per_tok // i.tp * DISPATCH_COPIES * h * 2 * (i.ep > 1)
@@ -374,10 +385,9 @@ def engine_activation_bytes(hf: HFModel, i: PlanInputs) -> int:
 
 
 # ----------------------------------------------------------------------------- the plan
-def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Plan:
-    """The per-phase plan; raises PlanError naming the phase with the largest shortfall. With
-    `host`, the plan carries host memory per node too, and a node over its RAM raises HostPlanError
-    (after the GPU checks, so a GPU refusal is never hidden behind it)."""
+def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
+    """The per-phase plan; raises MemoryPlanError naming the phase with the largest shortfall (host
+    memory is added by mcore_rl.memory.host.plan_with_host)."""
     stages = [trainer_bytes(hf, i, s) for s in range(i.pp)]
     states = ("megatron weights", "megatron grads", "megatron optimizer")
     worst_train = max(range(i.pp), key=lambda s: sum(stages[s].values()))
@@ -410,21 +420,15 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
     if (i.max_running_requests or 0) > i.cuda_graph_max_bs:
         plan.notes.append(f"decode batches of {i.cuda_graph_max_bs + 1}-{i.max_running_requests} run without "
                           "CUDA graphs: their activations beyond the sampler's are not planned")
-    if host is not None:  # before the GPU checks: a refused plan's tables show both
-        from mcore_rl.memory.host import make_host_plan
-
-        plan.host = make_host_plan(hf, i, host)
     short = plan.shortfalls()
     if short:
         phase = max(short, key=short.get)
-        raise PlanError(phase, short[phase], plan, _why(plan, phase))
+        raise MemoryPlanError(phase, short[phase], plan, _why(plan, phase))
     need_kv = i.seq_len * per_token
     if kv < need_kv:
-        raise PlanError("rollout", need_kv - kv, plan,
+        raise MemoryPlanError("rollout", need_kv - kv, plan,
                         f"the KV cache at mem_fraction_static={f:.2f} holds {kv // per_token} tokens, "
                         f"less than one sequence of {i.seq_len}")
-    if plan.host is not None:
-        plan.host.check(plan)
     return plan
 
 
@@ -445,7 +449,7 @@ RECOMPUTE_BY_COST = ("none", "selective", "full")  # what each adds to an update
 
 def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budget: int | None,
                      modes: tuple[str, ...], min_budget: int, name: str | None = "actor.ppo_max_token_len_per_gpu",
-                     host: HostInputs | None = None) -> tuple[PlanInputs, str]:
+                     refused_plan: Callable[[HFModel, PlanInputs], Plan] | None = None) -> tuple[PlanInputs, str]:
     """The plan inputs (`at(tokens, recompute mode)`) of the micro-batch token budget and recompute
     mode to run with, and a line saying which and whether picked.
 
@@ -453,13 +457,13 @@ def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budge
     max(min_budget, AUTO_BUDGET_FLOOR) fits, with the largest budget up to max(AUTO_BUDGET_MAX,
     min_budget) that fits under it (a multiple of BUDGET_STEP, or min_budget: one sequence); else the
     mode fitting the largest. A given budget runs under the first of `modes` it fits in; one that fits
-    in none is refused, the error naming (as `name`) the largest budget that fits (its plan carries
-    the host side too, given `host`). Only the train phase depends on these: a refusal of another
+    in none is refused, the error naming (as `name`) the largest budget that fits (its plan made by
+    `refused_plan`, default make_plan: memory.host.plan_with_host's carries the host side too). Only the train phase depends on these: a refusal of another
     phase is raised as it is."""
     def fits(tokens: int, mode: str) -> bool:
         try:
             make_plan(hf, at(tokens, mode))
-        except PlanError as e:
+        except MemoryPlanError as e:
             if e.phase != "train":
                 raise
             return False
@@ -488,7 +492,7 @@ def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budge
         best = max(((largest(m, budget), m) for m in modes), key=lambda lm: lm[0] or 0)
         hint = (f"the largest that fits is {best[0]} (memory.recompute: {best[1]})" if best[0]
                 else f"not even one sequence ({min_budget} tokens) fits")
-        _refuse(hf, at(budget, modes[-1]), host, f"{name}={budget} cannot fit; {hint}" if name else "")
+        _refuse(refused_plan or make_plan, hf, at(budget, modes[-1]), f"{name}={budget} cannot fit; {hint}" if name else "")
     floor, best = min(cap, max(min_budget, AUTO_BUDGET_FLOOR)), (None, modes[0])
     for mode in modes:
         tokens = largest(mode, cap)
@@ -497,15 +501,15 @@ def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budge
         if (tokens or 0) > (best[0] or 0):
             best = (tokens, mode)
     if best[0] is None:
-        _refuse(hf, at(min_budget, modes[-1]), host, f"no micro-batch of one sequence ({min_budget} tokens) fits, "
+        _refuse(refused_plan or make_plan, hf, at(min_budget, modes[-1]), f"no micro-batch of one sequence ({min_budget} tokens) fits, "
                                                f"even with recompute {modes[-1]}")
     return at(*best), line(*best)
 
 
-def _refuse(hf: HFModel, i: PlanInputs, host: HostInputs | None, hint: str) -> None:
-    """make_plan's refusal of `i`, its reason followed by `hint`."""
+def _refuse(plan, hf: HFModel, i: PlanInputs, hint: str) -> None:
+    """`plan`'s refusal of `i`, its reason followed by `hint`."""
     try:
-        make_plan(hf, i, host)
-    except PlanError as e:
-        raise PlanError(e.phase, e.shortfall, e.plan, "; ".join(x for x in (e.why, hint) if x)) from None
+        plan(hf, i)
+    except MemoryPlanError as e:
+        raise MemoryPlanError(e.phase, e.shortfall, e.plan, "; ".join(x for x in (e.why, hint) if x)) from None
     raise AssertionError("a plan refused before fits now")  # pragma: no cover

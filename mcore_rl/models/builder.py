@@ -6,7 +6,8 @@ import dataclasses
 
 import torch
 
-from mcore_rl import compat
+from mcore_rl import console, patches
+from mcore_rl.patches import no_te
 from mcore_rl.models.config import HFModel, UnsupportedModelError, _rope_scaling, _rope_theta
 
 
@@ -61,7 +62,7 @@ def _rewrite_spec(spec, norm, core_attention, moe: dict | None = None):
 
 
 def use_te() -> bool:
-    return compat._have_te() and torch.cuda.is_available()
+    return no_te.have_te() and torch.cuda.is_available()
 
 
 def layer_spec(config, vp_stage=None, fast_moe: bool = True, attention: str = "sdpa"):
@@ -70,15 +71,19 @@ def layer_spec(config, vp_stage=None, fast_moe: bool = True, attention: str = "s
     sequence ("sdpa") or one variable-length flash call per micro-batch ("varlen", CUDA)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
 
     from mcore_rl.models.experts import GroupedGemmExperts
     from mcore_rl.models.layers import CORE_ATTENTION, RMSNorm
+    from mcore_rl.models.router import ModelRouter, wants_model_router
 
     if attention not in CORE_ATTENTION:
         raise ValueError(f"attention {attention!r}: expected one of {sorted(CORE_ATTENTION)}")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm", vp_stage=vp_stage)
-    moe = {SequentialMLP: GroupedGemmExperts} if fast_moe else None
+    moe = {SequentialMLP: GroupedGemmExperts} if fast_moe else {}
+    if wants_model_router(config):  # DeepSeek's group ranking, unnormalised sigmoid weights
+        moe[TopKRouter] = ModelRouter
     return _rewrite_spec(spec, RMSNorm, CORE_ATTENTION[attention], moe)
 
 
@@ -88,17 +93,11 @@ def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_pr
 
     fast_moe=False keeps megatron's per-expert loop and scatter-add permutation (for comparisons).
     """
-    compat.quiet_fallback_warnings()  # before the imports below pull in megatron's model modules
+    console.quiet_fallback_warnings()  # before the imports below pull in megatron's model modules
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    applied = compat.apply()
-    for needed, field, what in (("deepseek_group_routing", "moe_router_group_score_topk", "group-limited routing"),
-                                ("sigmoid_topk_without_norm", "moe_router_sigmoid_norm_topk",
-                                 "sigmoid routing with norm_topk_prob=false")):
-        if getattr(config, field, None) is not None and needed not in applied:
-            raise UnsupportedModelError(f"{what} needs compat's {needed} patch, not written for "
-                                        f"megatron-core {compat.megatron_version()}")
+    patches.apply()
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:

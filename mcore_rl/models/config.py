@@ -208,11 +208,11 @@ def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
     config = cls(**common)
     groups = group_routing(m) if moe else None
     if groups and config.moe_router_num_groups:
-        # not a megatron field: read by compat's deepseek_group_routing patch while routing
+        # not a megatron field: read by mcore_rl.models.router.ModelRouter, given in the layer spec
         config.moe_router_group_score_topk = groups[2]
     if moe and m.sigmoid_routing and not m.get("norm_topk_prob", True) and m.num_experts_per_tok > 1:
         # not a megatron field (megatron always renormalises sigmoid top-k weights): read by
-        # compat's sigmoid_topk_without_norm patch
+        # mcore_rl.models.router.ModelRouter
         config.moe_router_sigmoid_norm_topk = False
     return config
 
@@ -276,7 +276,7 @@ def group_routing(m: HFModel) -> tuple[int, int, int] | None:
 
     DeepSeek-V3 ranks a group by its top-2 scores (with the expert bias), DeepSeek-V2's
     group_limited_greedy by its best one; V2's greedy ignores the groups. megatron-core ranks by
-    the top k / topk_group: mcore_rl.compat's deepseek_group_routing patch makes it take n.
+    the top k / topk_group: mcore_rl.models.router.ModelRouter takes n.
     """
     E, k = m.num_experts, m.num_experts_per_tok
     n_group, topk_group = m.get("n_group") or 1, m.get("topk_group") or 1
@@ -337,6 +337,14 @@ def _moe_config(m: HFModel) -> dict[str, Any]:
 
 class LayoutError(BadInput):
     pass
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Layers of each pipeline stage as megatron splits them (transformer_config sets no custom
+    split): an uneven remainder goes to the last stage."""
+    first = num_layers // pp
+    starts = [i * first for i in range(pp)]
+    return [range(s, starts[i + 1] if i + 1 < pp else num_layers) for i, s in enumerate(starts)]
 
 
 def validate_layout(m: HFModel, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1) -> None:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import os
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl.parallel import rendezvous_on
 from mcore_rl.rollout.embedded import EmbeddedRollout
 from mcore_rl.rollout.engine_kwargs import warn_overridden
 from mcore_rl.rollout.group import EngineGroup, EngineSlot
 from mcore_rl.rollout.placement import plan_placement
 from mcore_rl.rollout.weights import WeightSync
-from mcore_rl.sync.plan import EngineLayout, PlanError, single_source
+from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
+from mcore_rl.sync.plan import single_source
 
 TRAINER_GPU_SHARE, ENGINE_GPU_SHARE = 0.8, 0.2  # colocated: both on every GPU bundle
 
@@ -56,7 +58,7 @@ CPU_MOE_PAD = 32  # SGLang's CPU engine pads MLP widths to a multiple of this ti
 def _check_cpu_tp(cfg: C.Config) -> None:
     """SGLang's CPU engine with tp > 1 pads MLP widths to multiples of 32 * tp, so its ranks no longer
     hold even slices; the read-back would report every MLP as stale. Refuse such configs up front."""
-    tp, dims = cfg.rollout.tp_size, C.hf_model_dims(cfg.model) or {}
+    tp, dims = cfg.rollout.tp_size, config_checks.hf_model_dims(cfg.model) or {}
     if cfg.rollout.engine != "sglang" or cfg.cluster.device != "cpu" or tp == 1:
         return
     bad = [f"{k}={dims[k]}" for k in ("intermediate_size", "moe_intermediate_size")
@@ -108,7 +110,7 @@ def start_vllm(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: E
     from mcore_rl.rollout import vllm as V
 
     if layout.nnodes > 1:
-        raise PlanError(f"a vLLM engine runs on one node; this placement spreads one over {layout.nnodes}")
+        raise SyncPlanError(f"a vLLM engine runs on one node; this placement spreads one over {layout.nnodes}")
     mem_fraction = _engine_memory(cfg, plan)[0]
     warn_overridden(cfg.rollout.engine_kwargs, V.own_args(cfg, model_dir, layout, mem_fraction), "vllm")
     args = V.engine_args(cfg, model_dir, layout, mem_fraction)
@@ -126,7 +128,7 @@ def _colocated_slots(placement, where: list[dict], device: str, pg) -> list[Engi
             ranks = list(n.gpus)  # colocated: trainer rank r is on GPU r
             hosts = {where[r]["node"] for r in ranks}
             if len(hosts) != 1:
-                raise PlanError(f"engine {n.engine} node_rank {n.node_rank} needs trainer ranks {ranks} on one "
+                raise SyncPlanError(f"engine {n.engine} node_rank {n.node_rank} needs trainer ranks {ranks} on one "
                                 f"node, but Ray placed them on {len(hosts)} nodes")
             gpus = ",".join(g for r in ranks for g in where[r]["gpu_ids"]) if device == "gpu" else None
             slots.append(EngineSlot(n.engine, n.node_rank, pg, ranks[0], gpus, tuple(where[r]["uuid"] for r in ranks)))

@@ -478,8 +478,6 @@ class MultiTurnRounds:
     def __call__(self, prompts: list[int], seed: int):
         import torch
 
-        from mcore_rl.dynamic_sampling import scored
-
         params = self.ppo.sampling_params(self.cfg, self.source, seed)
         idx = [i for i in prompts for _ in range(params.n)]
         convs = new_conversations(self.source, idx, params)
@@ -489,7 +487,7 @@ class MultiTurnRounds:
             self.times[k] += times[k]
         batch = self.ppo.completions_batch(self.source, idx, [c.completion() for c in convs], self.experts,
                                            getattr(self.engine, "label", "the rollout engine"))
-        return scored(self.cfg, self.source, idx, batch, torch.tensor(scores(self.source, convs)))
+        return self.ppo.scored(self.cfg, self.source, idx, batch, torch.tensor(scores(self.source, convs)))
 
     def metrics(self) -> dict:
         out = conversation_metrics(self.convs, self.times)

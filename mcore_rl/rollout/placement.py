@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class RolloutPlacement:
 def plan_placement(cfg: C.Config) -> RolloutPlacement:
     c, r = cfg.cluster, cfg.rollout
     per, total, tp = c.n_gpus_per_node, c.nnodes * c.n_gpus_per_node, r.tp_size
-    trainer = tuple(range(C.actor_gpus(cfg)))
+    trainer = tuple(range(config_checks.actor_gpus(cfg)))
     rollout = list(range(total)) if c.colocate else list(range(total - c.rollout_gpus, total))
     node_gpus = min(tp, per)  # config validation: tp divides a node's GPUs or is a multiple of them
     if rollout[0] % node_gpus:

@@ -17,13 +17,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl.parallel import free_port
 from mcore_rl.rollout import engine_logs, engine_start, jit_cache, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.rollout.spawn import children_skip_main
-from mcore_rl.sync.plan import EngineLayout, PlanError
+from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site")
 
@@ -59,17 +59,17 @@ class EngineLaunch:
     def __post_init__(self):
         host, _, port = self.dist_init_addr.rpartition(":")
         if not host or not port.isdigit():
-            raise PlanError(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
+            raise SyncPlanError(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
         if not 0 < self.mem_fraction_static < 1:
-            raise PlanError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
+            raise SyncPlanError(f"mem_fraction_static={self.mem_fraction_static} must be in (0, 1)")
         lay = self.layout
         if lay.gpus_per_node is None or lay.gpus_per_node * lay.nnodes != lay.tp_size:
-            raise PlanError(f"engine layout {lay}: gpus_per_node x nnodes must equal tp_size "
+            raise SyncPlanError(f"engine layout {lay}: gpus_per_node x nnodes must equal tp_size "
                             "(take gpus_per_node from the placement)")
 
     def node_args(self, node_rank: int) -> dict:
         if not 0 <= node_rank < self.layout.nnodes:
-            raise PlanError(f"node_rank={node_rank} outside 0..{self.layout.nnodes - 1}")
+            raise SyncPlanError(f"node_rank={node_rank} outside 0..{self.layout.nnodes - 1}")
         args = dict(model_path=self.model_path, tp_size=self.layout.tp_size, ep_size=self.layout.ep_size,
                     nnodes=self.layout.nnodes, node_rank=node_rank, dist_init_addr=self.dist_init_addr,
                     base_gpu_id=self.base_gpu_id, mem_fraction_static=self.mem_fraction_static,
@@ -123,7 +123,7 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_ini
         args["load_format"] = "dummy"
     if r.weight_dtype == "fp8" and r.fp8_kernels == "deep_gemm_moe":  # SGLang's auto picks it only with DeepEP
         args["moe_runner_backend"] = "deep_gemm"
-    if C.returns_routes(cfg):
+    if config_checks.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
         # sleep_on_idle: an idle scheduler otherwise polls for requests in a busy loop, a core per engine
@@ -138,7 +138,7 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_ini
         # shared experts as their own parameters, as the CPU engine and EP > 1 always keep them
         args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
                     cuda_graph_max_bs=r.cuda_graph_max_bs, disable_shared_experts_fusion=True,
-                    max_running_requests=C.max_running_requests(cfg))
+                    max_running_requests=config_checks.max_running_requests(cfg))
         if r.seeded:  # its flashinfer sampler takes no seeds (mcore_rl.rollout.sglang_plugin)
             args["sampling_backend"] = "pytorch"
         if r.attention_backend:

@@ -20,7 +20,7 @@ model is built.
   (mcore_rl.sync.engine_layout.load_direct) instead of SGLang's `load_weights`, whose name matching
   costs tens of microseconds a tensor (384 tensors a layer of Qwen3-30B-A3B's experts).
 - `Scheduler.mcore_rl_capture_hidden(path, tokens)`: each decoder layer's output in the next prefill of
-  `tokens` tokens, to `path.tp{rank}.pt` (benchmarks/hidden_gap.py: engine against trainer, layer by layer).
+  `tokens` tokens, to `path.tp{rank}.pt` (`benchmarks/engine_bench.py hidden-gap`: engine against trainer, layer by layer).
 - `Scheduler.mcore_rl_check_idle()`: fails unless every TP rank of the engine is fully idle.
   SGLang asserts idleness inside the scheduler when asked to release memory, and a failed assert
   there kills the scheduler and then the engine's process (seen right after `generate` returned);

@@ -9,7 +9,7 @@ of `mcore_rl.sync`'s transports, release/resume, health, shutdown. Tested with v
   renormalised over the nucleus, which the trainer does not do).
 - weights: vLLM loads HF checkpoint names, so the sync plan's tensors go in as they are; they are
   staged in the workers and loaded at `end_weight_update` with vLLM's in-place reload
-  (`mcore_rl.rollout.vllm_worker`, plus compat's MoE prepack fix).
+  (`mcore_rl.rollout.vllm_worker`, plus its MoE prepack fix).
 - verifying a sync: vLLM repacks its weights (linear layers are empty after start-up on CPU), so
   there are no comparable digests; the engine's log-probs of fixed token sequences are compared
   with the trainer's instead (`READBACK = "logprobs"`, `prompt_logprobs`).
@@ -29,7 +29,7 @@ from mcore_rl.rollout import engine_logs, engine_start, jit_cache, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.rollout.spawn import children_skip_main
-from mcore_rl.sync.plan import EngineLayout
+from mcore_rl.sync.engine_layout import EngineLayout
 
 WORKER_EXTENSION = "mcore_rl.rollout.vllm_worker.WeightUpdates"
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -15,11 +15,14 @@ collective_rpc's arguments (msgpack turns them into lists), so they travel as by
 from __future__ import annotations
 
 import glob
+import logging
 import os
 
 import torch
 
 from mcore_rl.sync.bucket import Meta, unflatten
+
+log = logging.getLogger(__name__)
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
@@ -120,8 +123,6 @@ class WeightUpdates:
 
     def mcore_rl_commit(self) -> dict:
         """Load everything staged since begin in one reload; nothing staged loads nothing."""
-        from mcore_rl import compat
-
         staged = self._staged()
         if not staged:
             return {"tensors": 0, "repacked": []}
@@ -134,5 +135,32 @@ class WeightUpdates:
         names = list(staged)
         self.reload_weights(weights_iterator=list(staged.items()))
         staged.clear()
-        repacked = compat.vllm_repack_reloaded_experts(self.model_runner.model, names)
+        repacked = vllm_repack_reloaded_experts(self.model_runner.model, names)
         return {"tensors": len(names), "repacked": repacked}
+
+
+VLLM_REPACK_VERSIONS = ("0.32.",)
+
+
+def vllm_repack_reloaded_experts(model, names: list[str]) -> list[str]:
+    """vllm_moe_reload_prepack: vLLM 0.32's in-place reload leaves MoE experts in checkpoint layout.
+    `UnquantizedFusedMoEMethod._setup_kernel` runs `moe_kernel.fused_experts.process_weights_after_loading`
+    (on CPU: the prepack into its grouped-GEMM layout) only when the kernel is first built, and a reload
+    finds it built; the experts then compute garbage, even after reloading identical weights. Run it
+    for the MoE layers whose experts `names` (HF names, one reload) contained. Only the prepack is
+    re-run, never twice for a load, so it must not run on a vLLM that fixed this: gated on version.
+    Returns the modules repacked."""
+    import vllm
+
+    if not vllm.__version__.startswith(VLLM_REPACK_VERSIONS):
+        log.warning("vLLM %s is not one vllm_moe_reload_prepack was written for (%s); not applied",
+                    vllm.__version__, VLLM_REPACK_VERSIONS)
+        return []
+    layers = {n.partition(".mlp.experts.")[0] for n in names if ".mlp.experts." in n}
+    done = []
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(module, "w13_weight") and name.partition(".mlp.")[0] in layers:
+            kernel.fused_experts.process_weights_after_loading(module)
+            done.append(name)
+    return done

@@ -16,11 +16,13 @@ import os
 import torch
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl.models.config import HFModel
 from mcore_rl.parallel import Layout, rendezvous_on
 from mcore_rl.sync.checksum import WeightMismatch
 from mcore_rl.sync.engine_layout import compare_engine
-from mcore_rl.sync.plan import EngineLayout, SyncPlan, single_source
+from mcore_rl.sync.engine_layout import EngineLayout
+from mcore_rl.sync.plan import SyncPlan, single_source
 from mcore_rl.sync.session import SyncSpec, merge_expected
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -31,7 +33,7 @@ class WeightSync:
                  feed: dict[int, tuple[int, int]] | None, where: list[dict], run_dir: str, hf_dir: str):
         """`feed`: colocated trainer rank -> (engine, tp rank) on its GPU; None for a single source."""
         self.actors, self.engines, self.verify_every = actors, engines, cfg.rollout.verify_sync_every
-        kind = C.transport_for(cfg)
+        kind = config_checks.transport_for(cfg)
         if kind == "ipc" and feed is None:
             raise C.ConfigError("rollout.sync_transport = 'ipc' needs colocated engines (cluster.colocate: true)")
         p = cfg.parallel

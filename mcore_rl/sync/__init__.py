@@ -7,7 +7,8 @@ import time
 import torch.distributed as dist
 
 from mcore_rl.sync.gather import LiveShards, assemble
-from mcore_rl.sync.plan import EngineLayout, PlanError, SyncPlan, single_source
+from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
+from mcore_rl.sync.plan import SyncPlan, single_source
 
 
 def sync_weights(plan: SyncPlan, shards: LiveShards, transport, check=None, observe=None) -> dict:
@@ -49,4 +50,4 @@ def sync_weights(plan: SyncPlan, shards: LiveShards, transport, check=None, obse
     return stats
 
 
-__all__ = ["EngineLayout", "LiveShards", "PlanError", "SyncPlan", "single_source", "sync_weights"]
+__all__ = ["EngineLayout", "LiveShards", "SyncPlanError", "SyncPlan", "single_source", "sync_weights"]

@@ -24,18 +24,116 @@ not norms, the router, embeddings or lm_head. Each has a `weight_scale_inv` rule
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
+from mcore_rl.models.config import HFModel
+from mcore_rl.sync import fp8
 from mcore_rl.sync.bucket import unflatten
 from mcore_rl.sync.checksum import digest
 from mcore_rl.sync.fp8 import SCALE_SUFFIX
 
-if TYPE_CHECKING:
-    from mcore_rl.sync.plan import EngineLayout
+
+class SyncPlanError(ValueError):
+    """The engine layout, the placement or the plan cannot work; raised before any transfer."""
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """One SGLang engine: tp_size ranks over nnodes nodes, gpus_per_node taken from the placement."""
+
+    tp_size: int
+    ep_size: int = 1
+    nnodes: int = 1
+    gpus_per_node: int | None = None
+
+    @property
+    def moe_tp(self) -> int:
+        return self.tp_size // self.ep_size
+
+    def node_and_local(self, tp_rank: int) -> tuple[int, int]:
+        """SGLang gives each node tp_size/nnodes consecutive ranks."""
+        return divmod(tp_rank, self.tp_size // self.nnodes)
+
+    def experts_of(self, tp_rank: int, num_experts: int) -> range:
+        """SGLang's EP: moe_ep_rank = tp_rank // moe_tp owns a contiguous block of experts."""
+        per = num_experts // self.ep_size
+        ep_rank = tp_rank // self.moe_tp
+        return range(ep_rank * per, (ep_rank + 1) * per)
+
+    def validate(self, hf: HFModel) -> None:
+        problems = []
+        for name in ("tp_size", "ep_size", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                problems.append(f"{name}={v!r} must be a positive integer")
+        if problems:
+            raise SyncPlanError("invalid engine layout: " + "; ".join(problems))
+        tp, ep = self.tp_size, self.ep_size
+        if hf.num_attention_heads % tp:
+            problems.append(f"engine tp_size={tp} does not divide num_attention_heads={hf.num_attention_heads}")
+        if not hf.is_mla and hf.num_kv_heads % tp and tp % hf.num_kv_heads:
+            problems.append(f"engine tp_size={tp} and num_key_value_heads={hf.num_kv_heads}: neither divides the other")
+        if hf.intermediate_size % tp:
+            problems.append(f"engine tp_size={tp} does not divide intermediate_size={hf.intermediate_size}")
+        if tp % ep:
+            problems.append(f"engine ep_size={ep} does not divide tp_size={tp}")
+        if hf.num_experts:
+            if hf.num_experts % ep:
+                problems.append(f"engine ep_size={ep} does not divide n_routed_experts={hf.num_experts}")
+            elif not tp % ep and hf.moe_intermediate_size % (tp // ep):
+                problems.append(f"moe tp = tp_size/ep_size = {tp // ep} does not divide "
+                                f"moe_intermediate_size={hf.moe_intermediate_size}")
+        elif ep != 1:
+            problems.append(f"engine ep_size={ep} needs a MoE model; {hf.model_type} has no experts")
+        if tp % self.nnodes:
+            problems.append(f"nnodes={self.nnodes} does not divide engine tp_size={tp}")
+        if self.gpus_per_node is None:
+            problems.append("gpus_per_node is unknown: take it from the placement (placement.engine_layout)")
+        elif self.gpus_per_node * self.nnodes != tp:
+            problems.append(f"gpus_per_node={self.gpus_per_node} x nnodes={self.nnodes} != tp_size={tp}")
+        if problems:
+            raise SyncPlanError("invalid engine layout: " + "; ".join(problems))
+
+
+def hf_shape(hf: HFModel, name: str) -> tuple[int, ...]:
+    """Shape of HF tensor `name` from the config alone (so plans for any size need no weights);
+    a `weight_scale_inv` has one entry per 128 x 128 block of its weight."""
+    if name.endswith(fp8.SCALE_SUFFIX):
+        return fp8.scale_shape(hf_shape(hf, name.removesuffix(fp8.SCALE_SUFFIX)))
+    c, H = hf.cfg, hf.hidden_size
+    heads = hf.num_attention_heads
+    leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else name.split(".")[-1]
+    if leaf in ("embed_tokens", "lm_head"):
+        return (hf.vocab_size, H)
+    if leaf in ("norm", "input_layernorm", "post_attention_layernorm"):
+        return (H,)
+    if ".mlp." in name:
+        if leaf == "gate":
+            return (hf.num_experts, H)
+        if leaf == "e_score_correction_bias":
+            return (hf.num_experts,)
+        inter = c["intermediate_size"]
+        if ".experts." in name:
+            inter = c["moe_intermediate_size"]
+        elif ".shared_experts." in name:
+            inter = c["moe_intermediate_size"] * c["n_shared_experts"]
+        return (H, inter) if leaf == "down_proj" else (inter, H)
+    if hf.is_mla:
+        qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+        return {"q_a_proj": (c.get("q_lora_rank"), H), "q_a_layernorm": (c.get("q_lora_rank"),),
+                "q_b_proj": (heads * qk, c.get("q_lora_rank")), "q_proj": (heads * qk, H),
+                "kv_a_proj_with_mqa": (c["kv_lora_rank"] + c["qk_rope_head_dim"], H),
+                "kv_a_layernorm": (c["kv_lora_rank"],),
+                "kv_b_proj": (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+                "o_proj": (H, heads * c["v_head_dim"])}[leaf]
+    d, kv = hf.head_dim, hf.num_kv_heads
+    out = {"q_proj": heads * d, "k_proj": kv * d, "v_proj": kv * d}
+    if leaf in out:
+        return (out[leaf],) if name.endswith(".bias") else (out[leaf], H)
+    return {"o_proj": (H, heads * d), "q_norm": (d,), "k_norm": (d,)}[leaf]
+
 
 _U64 = (1 << 64) - 1
 
@@ -187,8 +285,6 @@ def place(name: str, t: torch.Tensor, layout: EngineLayout, tp_rank: int, hf) ->
 def _rows_before(name: str, rule: Place, tp: int, hf) -> int:
     """Rows of a fused parameter that come before `name`'s part on one rank (parts differ in size:
     q_a has q_lora_rank rows, kv_a kv_lora_rank + rope)."""
-    from mcore_rl.sync.plan import hf_shape
-
     if not rule.part:
         return 0
     head = name[:-len(rule.suffix)]

@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from mcore_rl.sync.plan import EngineLayout, PlanError
+from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
 
 _UUID = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]{8,}$")
 
@@ -26,20 +26,20 @@ def parse_visible_devices(value: str | None, device_count: int | None = None) ->
         return None
     items = [v.strip() for v in value.split(",")]
     if value.strip() == "" or any(v == "" for v in items):
-        raise PlanError(f"CUDA_VISIBLE_DEVICES={value!r} has an empty entry")
+        raise SyncPlanError(f"CUDA_VISIBLE_DEVICES={value!r} has an empty entry")
     bad = [v for v in items if not (v.isdigit() or _UUID.match(v))]
     if bad:
-        raise PlanError(f"CUDA_VISIBLE_DEVICES={value!r}: {bad} are neither GPU indices nor GPU-/MIG- UUIDs")
+        raise SyncPlanError(f"CUDA_VISIBLE_DEVICES={value!r}: {bad} are neither GPU indices nor GPU-/MIG- UUIDs")
     if len({v.isdigit() for v in items}) > 1:
-        raise PlanError(f"CUDA_VISIBLE_DEVICES={value!r} mixes indices and UUIDs")
+        raise SyncPlanError(f"CUDA_VISIBLE_DEVICES={value!r} mixes indices and UUIDs")
     dup = sorted({v for v in items if items.count(v) > 1})
     if dup:
-        raise PlanError(f"CUDA_VISIBLE_DEVICES={value!r} lists {dup} more than once: two ranks would share "
+        raise SyncPlanError(f"CUDA_VISIBLE_DEVICES={value!r} lists {dup} more than once: two ranks would share "
                         "one GPU and CUDA IPC handles would reach the wrong device")
     if device_count is not None:
         out = [v for v in items if v.isdigit() and int(v) >= device_count]
         if out:
-            raise PlanError(f"CUDA_VISIBLE_DEVICES={value!r}: {out} out of range, this node has "
+            raise SyncPlanError(f"CUDA_VISIBLE_DEVICES={value!r}: {out} out of range, this node has "
                             f"{device_count} GPU(s)")
     return items
 
@@ -77,37 +77,37 @@ def colocate(trainer: list[GpuSlot], engine_nodes: list[list[str]], tp_size: int
     """
     counts = {len(g) for g in engine_nodes}
     if not engine_nodes or 0 in counts:
-        raise PlanError("the engine has a node with no GPUs")
+        raise SyncPlanError("the engine has a node with no GPUs")
     if len(counts) != 1:
-        raise PlanError(f"engine nodes have unequal GPU counts {[len(g) for g in engine_nodes]}: SGLang "
+        raise SyncPlanError(f"engine nodes have unequal GPU counts {[len(g) for g in engine_nodes]}: SGLang "
                         "gives every node tp_size/nnodes ranks")
     per_node = counts.pop()
     if per_node * len(engine_nodes) != tp_size:
-        raise PlanError(f"engine tp_size={tp_size} but the placement has {len(engine_nodes)} node(s) x "
+        raise SyncPlanError(f"engine tp_size={tp_size} but the placement has {len(engine_nodes)} node(s) x "
                         f"{per_node} GPU(s)")
     layout = EngineLayout(tp_size, ep_size, nnodes=len(engine_nodes), gpus_per_node=per_node)
     by_uuid: dict[str, int] = {}
     for rank, slot in enumerate(trainer):
         if slot.gpu_uuid in by_uuid:
-            raise PlanError(f"trainer ranks {by_uuid[slot.gpu_uuid]} and {rank} share GPU {slot.gpu_uuid}")
+            raise SyncPlanError(f"trainer ranks {by_uuid[slot.gpu_uuid]} and {rank} share GPU {slot.gpu_uuid}")
         by_uuid[slot.gpu_uuid] = rank
     mapping, nodes = {}, []
     for n, uuids in enumerate(engine_nodes):
         for local, uuid in enumerate(uuids):
             tp_rank = n * per_node + local
             if uuid not in by_uuid:
-                raise PlanError(f"engine rank {tp_rank} (node_rank {n}) is on GPU {uuid} where no trainer "
+                raise SyncPlanError(f"engine rank {tp_rank} (node_rank {n}) is on GPU {uuid} where no trainer "
                                 "rank runs: colocated CUDA IPC needs one trainer rank per engine GPU")
             rank = by_uuid[uuid]
             if rank in mapping:
-                raise PlanError(f"GPU {uuid} appears twice in the engine placement")
+                raise SyncPlanError(f"GPU {uuid} appears twice in the engine placement")
             mapping[rank] = tp_rank
         node_names = {trainer[by_uuid[u]].node for u in uuids}
         if len(node_names) != 1:
-            raise PlanError(f"engine node_rank {n} spans hosts {sorted(node_names)}")
+            raise SyncPlanError(f"engine node_rank {n} spans hosts {sorted(node_names)}")
         nodes.append(node_names.pop())
     if len(set(nodes)) != len(nodes):
-        raise PlanError(f"two engine node_ranks on one host: {nodes}")
+        raise SyncPlanError(f"two engine node_ranks on one host: {nodes}")
     return Placement(mapping, layout, tuple(nodes))
 
 

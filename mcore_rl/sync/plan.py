@@ -21,108 +21,9 @@ import torch
 
 from converters.mappings import Param, mapping_for
 from mcore_rl.sync import fp8
-from mcore_rl.models.config import HFModel, validate_layout
+from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError, hf_shape, keeps_fp32, runs_in_fp8
+from mcore_rl.models.config import HFModel, stage_layers, validate_layout
 from mcore_rl.parallel import Layout
-
-
-class PlanError(ValueError):
-    """The engine layout, the placement or the plan cannot work; raised before any transfer."""
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """One SGLang engine: tp_size ranks over nnodes nodes, gpus_per_node taken from the placement."""
-
-    tp_size: int
-    ep_size: int = 1
-    nnodes: int = 1
-    gpus_per_node: int | None = None
-
-    @property
-    def moe_tp(self) -> int:
-        return self.tp_size // self.ep_size
-
-    def node_and_local(self, tp_rank: int) -> tuple[int, int]:
-        """SGLang gives each node tp_size/nnodes consecutive ranks."""
-        return divmod(tp_rank, self.tp_size // self.nnodes)
-
-    def experts_of(self, tp_rank: int, num_experts: int) -> range:
-        """SGLang's EP: moe_ep_rank = tp_rank // moe_tp owns a contiguous block of experts."""
-        per = num_experts // self.ep_size
-        ep_rank = tp_rank // self.moe_tp
-        return range(ep_rank * per, (ep_rank + 1) * per)
-
-    def validate(self, hf: HFModel) -> None:
-        problems = []
-        for name in ("tp_size", "ep_size", "nnodes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                problems.append(f"{name}={v!r} must be a positive integer")
-        if problems:
-            raise PlanError("invalid engine layout: " + "; ".join(problems))
-        tp, ep = self.tp_size, self.ep_size
-        if hf.num_attention_heads % tp:
-            problems.append(f"engine tp_size={tp} does not divide num_attention_heads={hf.num_attention_heads}")
-        if not hf.is_mla and hf.num_kv_heads % tp and tp % hf.num_kv_heads:
-            problems.append(f"engine tp_size={tp} and num_key_value_heads={hf.num_kv_heads}: neither divides the other")
-        if hf.intermediate_size % tp:
-            problems.append(f"engine tp_size={tp} does not divide intermediate_size={hf.intermediate_size}")
-        if tp % ep:
-            problems.append(f"engine ep_size={ep} does not divide tp_size={tp}")
-        if hf.num_experts:
-            if hf.num_experts % ep:
-                problems.append(f"engine ep_size={ep} does not divide n_routed_experts={hf.num_experts}")
-            elif not tp % ep and hf.moe_intermediate_size % (tp // ep):
-                problems.append(f"moe tp = tp_size/ep_size = {tp // ep} does not divide "
-                                f"moe_intermediate_size={hf.moe_intermediate_size}")
-        elif ep != 1:
-            problems.append(f"engine ep_size={ep} needs a MoE model; {hf.model_type} has no experts")
-        if tp % self.nnodes:
-            problems.append(f"nnodes={self.nnodes} does not divide engine tp_size={tp}")
-        if self.gpus_per_node is None:
-            problems.append("gpus_per_node is unknown: take it from the placement (placement.engine_layout)")
-        elif self.gpus_per_node * self.nnodes != tp:
-            problems.append(f"gpus_per_node={self.gpus_per_node} x nnodes={self.nnodes} != tp_size={tp}")
-        if problems:
-            raise PlanError("invalid engine layout: " + "; ".join(problems))
-
-
-def hf_shape(hf: HFModel, name: str) -> tuple[int, ...]:
-    """Shape of HF tensor `name` from the config alone (so plans for any size need no weights);
-    a `weight_scale_inv` has one entry per 128 x 128 block of its weight."""
-    if name.endswith(fp8.SCALE_SUFFIX):
-        return fp8.scale_shape(hf_shape(hf, name.removesuffix(fp8.SCALE_SUFFIX)))
-    c, H = hf.cfg, hf.hidden_size
-    heads = hf.num_attention_heads
-    leaf = name.split(".")[-2] if name.endswith((".weight", ".bias")) else name.split(".")[-1]
-    if leaf in ("embed_tokens", "lm_head"):
-        return (hf.vocab_size, H)
-    if leaf in ("norm", "input_layernorm", "post_attention_layernorm"):
-        return (H,)
-    if ".mlp." in name:
-        if leaf == "gate":
-            return (hf.num_experts, H)
-        if leaf == "e_score_correction_bias":
-            return (hf.num_experts,)
-        inter = c["intermediate_size"]
-        if ".experts." in name:
-            inter = c["moe_intermediate_size"]
-        elif ".shared_experts." in name:
-            inter = c["moe_intermediate_size"] * c["n_shared_experts"]
-        return (H, inter) if leaf == "down_proj" else (inter, H)
-    if hf.is_mla:
-        qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
-        return {"q_a_proj": (c.get("q_lora_rank"), H), "q_a_layernorm": (c.get("q_lora_rank"),),
-                "q_b_proj": (heads * qk, c.get("q_lora_rank")), "q_proj": (heads * qk, H),
-                "kv_a_proj_with_mqa": (c["kv_lora_rank"] + c["qk_rope_head_dim"], H),
-                "kv_a_layernorm": (c["kv_lora_rank"],),
-                "kv_b_proj": (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
-                "o_proj": (H, heads * c["v_head_dim"])}[leaf]
-    d, kv = hf.head_dim, hf.num_kv_heads
-    out = {"q_proj": heads * d, "k_proj": kv * d, "v_proj": kv * d}
-    if leaf in out:
-        return (out[leaf],) if name.endswith(".bias") else (out[leaf], H)
-    return {"o_proj": (H, heads * d), "q_norm": (d,), "k_norm": (d,)}[leaf]
 
 
 @dataclass(frozen=True)
@@ -161,13 +62,6 @@ def trainer_coords(rank: int, world: int, layout: Layout) -> tuple[int, int, int
     return pp_rank, in_stage % layout.tp, (in_stage // layout.etp) % layout.ep
 
 
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """Megatron's split as transformer_config sets it: an uneven remainder goes to the last stage."""
-    first = num_layers // pp
-    starts = [i * first for i in range(pp)]
-    return [range(s, starts[i + 1] if i + 1 < pp else num_layers) for i, s in enumerate(starts)]
-
-
 @dataclass
 class SyncPlan:
     hf: HFModel
@@ -193,35 +87,31 @@ class SyncPlan:
         tp rank appears once per engine), or {0: every engine rank}-style single source for NCCL
         broadcast / disk (pass `single_source(engine)`). `weight_dtype="fp8"`: the weights the
         engine runs in FP8 are quantized in the sync (`mcore_rl.sync.fp8`)."""
-        from mcore_rl.sync.engine_layout import runs_in_fp8
-
         engine.validate(hf)
         if weight_dtype not in ("bf16", "fp8"):
-            raise PlanError(f"weight_dtype={weight_dtype!r}: use 'bf16' or 'fp8'")
+            raise SyncPlanError(f"weight_dtype={weight_dtype!r}: use 'bf16' or 'fp8'")
         if weight_dtype == "fp8" and not hf.is_mla:
-            raise PlanError(f"FP8 engine weights are wired for DeepSeek-V3-style (MLA) models, not {hf.model_type}")
+            raise SyncPlanError(f"FP8 engine weights are wired for DeepSeek-V3-style (MLA) models, not {hf.model_type}")
         if weight_dtype == "fp8" and fp8_misfits(hf, engine):
-            raise PlanError(fp8_misfits(hf, engine)[0])
+            raise SyncPlanError(fp8_misfits(hf, engine)[0])
         try:
             validate_layout(hf, trainer.tp, trainer.pp, trainer.ep, trainer.etp)
         except ValueError as e:
-            raise PlanError(f"trainer layout: {e}") from None
+            raise SyncPlanError(f"trainer layout: {e}") from None
         if world % (trainer.tp * trainer.pp) or (world // trainer.pp) % (trainer.ep * trainer.etp):
-            raise PlanError(f"trainer world size {world} does not fit TP={trainer.tp} PP={trainer.pp} "
+            raise SyncPlanError(f"trainer world size {world} does not fit TP={trainer.tp} PP={trainer.pp} "
                             f"EP={trainer.ep} ETP={trainer.etp}")
         if bucket_bytes <= 0:
-            raise PlanError(f"bucket_bytes={bucket_bytes} must be positive")
+            raise SyncPlanError(f"bucket_bytes={bucket_bytes} must be positive")
         bad = sorted(r for r in engine_rank_of if not 0 <= r < world)
         if bad:
-            raise PlanError(f"trainer ranks {bad} do not exist in a world of {world}")
+            raise SyncPlanError(f"trainer ranks {bad} do not exist in a world of {world}")
         fed = sorted(engine_rank_of.values())
         single = fed == [-1]
         copies = len(fed) // engine.tp_size  # data-parallel engines, each fed by its own trainer ranks
         if not single and (copies == 0 or fed != sorted(list(range(engine.tp_size)) * copies)):
-            raise PlanError(f"engine ranks fed by the trainer are {fed}; need each of 0..{engine.tp_size - 1} "
+            raise SyncPlanError(f"engine ranks fed by the trainer are {fed}; need each of 0..{engine.tp_size - 1} "
                             "once per engine (mismatched GPU counts?)")
-        from mcore_rl.sync.engine_layout import keeps_fp32  # it imports this module
-
         params = list(mapping_for(hf).params(hf))
         stages = stage_layers(hf.num_layers, trainer.pp)
         coords = [trainer_coords(r, world, trainer) for r in range(world)]
@@ -238,7 +128,7 @@ class SyncPlan:
             holders[p.mcore] = [r for r, (pp_rank, _, ep_rank) in enumerate(coords)
                                 if _holds(p, pp_rank, ep_rank, stages, hf, trainer)]
             if not holders[p.mcore]:
-                raise PlanError(f"no trainer rank holds {p.mcore}")
+                raise SyncPlanError(f"no trainer rank holds {p.mcore}")
         plan = cls(hf, trainer, world, engine, tensors, holders, [], dict(engine_rank_of), outputs)
         plan._bucket(params, bucket_bytes, single)
         return plan
@@ -314,7 +204,7 @@ class SyncPlan:
             want = {h for p in {x.param for x in self.tensors.values()}
                     for h in self.names_of(p) if t in self._needs(p, r == -1)}
             if want - got:
-                raise PlanError(f"trainer rank {t} (engine rank {r}) is missing {sorted(want - got)[:3]}")
+                raise SyncPlanError(f"trainer rank {t} (engine rank {r}) is missing {sorted(want - got)[:3]}")
 
 
 def single_source(rank: int = 0) -> dict[int, int]:

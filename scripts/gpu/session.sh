@@ -92,7 +92,7 @@ PY
       # mode. Random weights sample near-uniformly, so 1,800 extra stop ids (1.1 % of the vocab) give
       # geometric response lengths: median about 63 tokens, one in 256 past 8x that (cap 512).
       # STALENESS=1 gives a step's groups one step's time to finish, less than a 512-token response
-      # takes: 0.86x sync; 2 gave 1.32x and 4 1.53x (benchmarks/RESULTS.md, eighth and ninth passes).
+      # takes: 0.86x sync; 2 gave 1.32x and 4 1.53x (docs/performance.md).
       STOPS=$(python3 -c 'print(",".join(map(str, range(1000, 2800))))')
       timeout "${LIMIT:-590}" "${PY[@]}" benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml \
         --out "$OUT/modes_2gpu${TAG:-}.json" --modes "${MODES:-sync,one_step_off,fully_async}" \
@@ -103,21 +103,21 @@ PY
     fp8_speed)  # issue 28: SGLang alone on dummy weights with trained-like routing, bf16 then FP8, at a real depth
       # (Moonlight: 27 layers); FP8_ARGS for the FP8 engines' kernels and the rest, e.g. "--deep-gemm --profile-steps 20
       # --kinds bf16,fp8,fp8:moe_runner_backend=cutlass" or "--routing dummy" (the dummy load's: all tokens on 6 experts)
-      timeout "${LIMIT:-590}" python3 benchmarks/fp8_speed.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+      timeout "${LIMIT:-590}" python3 benchmarks/engine_bench.py speed --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
         --out "$OUT/fp8_speed_${LAYERS:-27}L${TAG:-}.json" --layers "${LAYERS:-27}" --batch "${BATCH:-128}" \
         --new-tokens 512 ${MOE_DIR:+--moe-config-dir "$MOE_DIR"} "${FP8[@]}" 2>&1 | quiet | tee "$OUT/fp8_speed${TAG:-}.log" | tail -40 ;;
     moe_tune)  # issue 28: SGLang's fused-MoE tiles for Moonlight's experts on this GPU, into /tmp/moe_configs
       # (then MOE_DIR=/tmp/moe_configs TAG=_tuned ... fp8_speed, or EXTRA_OVERRIDES=rollout.moe_config_dir=... loop1gpu;
       # 64 FP8 tiles and 128 bf16 ones, each compiled: DTYPES=fp8 and DTYPES=bf16 in calls of their own if one is cut;
       # decode batches up to 1024 tokens by default, TUNE_BATCHES for others)
-      timeout "${LIMIT:-590}" python3 benchmarks/tune_fused_moe.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+      timeout "${LIMIT:-590}" python3 scripts/tune_fused_moe.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
         --dir /tmp/moe_configs --out "$OUT/moe_tune${TAG:-}.json" --dtypes "${DTYPES:-fp8,bf16}" \
         --batches "${TUNE_BATCHES:-1,8,16,32,64,128,256,512,1024}" rollout.tp_size=1 \
         rollout.ep_size=1 2>&1 | quiet | tee "$OUT/moe_tune${TAG:-}.log" | tail -40 ;;
     resume_check)  # issue 24: a resumed run's next step against the uninterrupted run's, on the same batch
       # (about 2.9 checkpoints on disk: LAYERS=4 needs the 128 GiB of a 2-GPU machine, LAYERS=2 fits 64 GiB;
       # LAYERS=2 took 325-465 s on an H100; random weights score 0, so an entropy bonus gives the step a gradient)
-      timeout "${LIMIT:-590}" python3 benchmarks/resume_check.py --config configs/moonlight_2gpu.yaml \
+      timeout "${LIMIT:-590}" python3 tests/gpu/resume_check.py --config configs/moonlight_2gpu.yaml \
         --out "$OUT/resume_${LAYERS:-4}L.json" cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 \
         model.hf_config.num_hidden_layers="${LAYERS:-4}" actor.entropy_coeff=0.01 "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
     driver_cuda)  # does the driver's memory plan start a CUDA context (it holds GPU memory all run)?
@@ -154,7 +154,7 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
       ls "${HOME}/.cache/mcore_rl/jit" 2>/dev/null | sed 's/^/jit cache: /' ;;
     hidden_gap)  # issue 45 item 5: engine against trainer, layer by layer, on the same weights and tokens, 27 Moonlight
       # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU); live routing and R3
-      timeout "${LIMIT:-590}" python3 benchmarks/hidden_gap.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
+      timeout "${LIMIT:-590}" python3 benchmarks/engine_bench.py hidden-gap --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
         --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay rollout.tp_size=1 rollout.ep_size=1 \
         "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/hidden_gap${TAG:-}.log" | tail -75 ;;
     loopx)  # the loop on CONFIG with EXTRA_OVERRIDES as given, as NAME; RAYLETS=NxG runs it over N raylets of G GPUs

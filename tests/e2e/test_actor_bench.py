@@ -1,6 +1,6 @@
 """benchmarks/actor_bench.py at tiny size on CPU (gloo, EP=2): MegatronActor.update on an RL-like
 batch per run, the planner beside it, a profile breakdown; and the breakdown's GPU views
-(benchmarks/profile_breakdown.py) on a hand-written trace whose answer is known."""
+(actor_bench's) on a hand-written trace whose answer is known."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import actor_bench, profile_breakdown
+from benchmarks import actor_bench
 from tests.support import distributed
 
 TINY = ["--cpu", "--tiny", "--gpus", "2", "--prompt", "2", "8", "--response", "1", "6", "--budget", "24",
@@ -28,7 +28,7 @@ def test_runs_profile_and_plan_on_cpu(tmp_path):
     assert base["patches_skipped"] == ["rope_thd_no_sync", "grad_norm_no_sync"] and not fast["patches_skipped"]
     phases = fast["profile"]["phases_host_ms"]
     assert {"forward", "backward", "loss head", "optimizer step", "pack + unpack"} <= set(phases)
-    # the two compat patches read no device value on the host: the baseline reads more
+    # the two megatron patches read no device value on the host: the baseline reads more
     reads = "aten::_local_scalar_dense"
     assert base["profile"]["host_reads"][reads] > fast["profile"]["host_reads"][reads]
     assert "profile" not in r["runs"]["recompute_full"]  # memory runs are not profiled
@@ -69,7 +69,7 @@ def test_breakdown_of_a_known_trace():
         _x("ncclDevKernel_ReduceScatter_Sum_f32", "kernel", 50, 20, correlation=4),
         _x("triton_poi_fused_adam", "kernel", 80, 10, correlation=5),
     ]
-    b = profile_breakdown.breakdown({"traceEvents": ev})
+    b = actor_bench.breakdown({"traceEvents": ev})
     assert b["kernels"] == 5 and b["wall_ms"] == pytest.approx(0.1)
     assert b["phases_gpu_ms"] == pytest.approx({"forward": 0.030, "backward": 0.040, "optimizer step": 0.010})
     assert b["kernel_kinds_ms"] == pytest.approx({"dense GEMM": 0.020, "attention": 0.010, "NCCL reduce-scatter": 0.020,
@@ -78,11 +78,11 @@ def test_breakdown_of_a_known_trace():
     assert b["nccl_ms"] == pytest.approx(0.020) and b["nccl_exposed_ms"] == pytest.approx(0.010)
     assert b["host_syncs"]["cudaStreamSynchronize"]["count"] == 1 and b["host_sync_calls"] == 1
     assert b["host_reads"]["aten::_local_scalar_dense"] == 1
-    assert "NCCL reduce-scatter" in profile_breakdown.table(b)
+    assert "NCCL reduce-scatter" in actor_bench.breakdown_table(b)
 
 
 def test_gpu_attention_check_runs_on_cpu(tmp_path):
-    """benchmarks/gpu_checks.py's comparison (fp32 reference, per-sequence SDPA, varlen) at tiny
+    """tests/gpu/gpu_checks.py's comparison (fp32 reference, per-sequence SDPA, varlen) at tiny
     size on CPU, where the varlen class falls back to per-sequence SDPA: equal to it, the check passes."""
     distributed.run(_attention_check_cpu, 1, str(tmp_path))
     res = json.loads((tmp_path / "check.json").read_text())
@@ -91,8 +91,8 @@ def test_gpu_attention_check_runs_on_cpu(tmp_path):
 
 
 def _attention_check_cpu(rank, out):
-    from benchmarks import gpu_checks
-    from benchmarks.shapes import hf_config
+    from tests.gpu import gpu_checks
+    from benchmarks.harness import hf_config
     from mcore_rl.parallel import Layout, init_distributed
 
     init_distributed(Layout())

@@ -4,7 +4,7 @@ Runs tests/support/multinode_scenario.py (its docstring says what it does): a TP
 generates the greedy tokens of a one-node TP=2 engine, is read back from both nodes' ranks, and
 trains GRPO colocated across the raylets (each node's trainer rank feeding its engine rank) and
 with the engine on raylets of its own (fed over an update group spanning three raylets), every
-sync read back. The same scenario runs on two GPUs with --device gpu (benchmarks/RESULTS.md).
+sync read back. The same scenario runs on two GPUs with --device gpu (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -180,3 +180,31 @@ def test_round_trip_through_tp2pp2ep2_is_bit_exact(resharded, tmp_path, fam):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(out))  # loadable by transformers
+
+
+def _routers(rank, families):
+    import transformers
+    from megatron.core.transformer.moe import moe_utils, router
+
+    from mcore_rl.models import HFModel, build_model, transformer_config
+    from mcore_rl.parallel import Layout, init_distributed
+    from tests.support.tiny_models import FAMILIES, ROUTING_VARIANTS
+
+    init_distributed(Layout())
+    for fam, want in families.items():
+        cls, kwargs = {**FAMILIES, **ROUTING_VARIANTS}[fam]
+        hf = HFModel.from_dict(getattr(transformers, cls)(**kwargs).to_dict())
+        model = build_model(hf, transformer_config(hf, dtype=torch.float32, cpu=True))
+        got = {type(m).__name__ for m in model.modules() if isinstance(m, router.TopKRouter)}
+        assert got == {want}, (fam, got)
+    # megatron's own routing functions are its own: no global patch
+    assert moe_utils.group_limited_topk.__module__ == router.topk_routing_with_score_function.__module__ \
+        == "megatron.core.transformer.moe.moe_utils"
+    assert router.topk_routing_with_score_function is moe_utils.topk_routing_with_score_function
+
+
+def test_deepseek_and_glm_routing_is_a_router_in_the_layer_spec():
+    """The models whose routing megatron's differs from get ModelRouter in their MoE layer spec;
+    the others megatron's TopKRouter (their logits against transformers': the tests above)."""
+    distributed.run(_routers, 1, {"deepseek_v3_groups": "ModelRouter", "deepseek_v2_groups": "ModelRouter",
+                                  "deepseek_v3_no_norm": "ModelRouter", "qwen3_moe": "TopKRouter"})

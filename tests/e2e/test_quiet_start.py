@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from mcore_rl import compat
+from mcore_rl import console
 from tests.support import actor_pp_scenario as S
 from tests.support.rl_batch import rl_batch
 from tests.support.tiny_models import make_hf_model
@@ -39,7 +39,7 @@ def test_actors_name_missing_accelerators_once_and_nothing_else(tmp_path):
                        timeout=600)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-3000:]
-    assert log.count(compat.accelerators_line()) == 1, log[-3000:]
-    assert compat.accelerators_line().startswith("optional accelerators")
+    assert log.count(console.accelerators_line()) == 1, log[-3000:]
+    assert console.accelerators_line().startswith("optional accelerators")
     loud = [s for s in SILENCED if s in log]
     assert not loud, f"{loud} in:\n{log[-3000:]}"

@@ -1,4 +1,4 @@
-"""benchmarks/resume_check.py on the tiny CPU model: the resumed run's step, trained on the
+"""tests/gpu/resume_check.py on the tiny CPU model: the resumed run's step, trained on the
 uninterrupted run's dumped batch (`--replay`), equals the uninterrupted one bit for bit, metrics and
 optimizer states (the GPU run of the same script compares at Moonlight widths)."""
 
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_the_resumed_step_equals_the_uninterrupted_one(tmp_path):
     out = tmp_path / "resume.json"
-    p = subprocess.run([sys.executable, "benchmarks/resume_check.py", "--config", "configs/tiny_cpu.yaml",
+    p = subprocess.run([sys.executable, "tests/gpu/resume_check.py", "--config", "configs/tiny_cpu.yaml",
                         "--out", str(out), "--work", str(tmp_path / "work"), "rollout.engine=embedded"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))

@@ -121,7 +121,7 @@ def _push(group, named: dict[str, torch.Tensor]):
 
 def test_weight_updates_generate_what_transformers_does(ds_two, models, tmp_path):
     """Every weight scaled (experts, router, MLA, norms) reaches both engines by value: they then
-    generate as transformers does with those weights (MoE prepack re-run: compat); the original
+    generate as transformers does with those weights (MoE prepack re-run: rollout/vllm_worker.py); the original
     weights come back from a disk version."""
     hf = models["deepseek_v3_vllm"][0]
     hf.save_pretrained(str(tmp_path / "original"))

@@ -53,10 +53,10 @@ def test_replay_survives_activation_recompute():
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    from mcore_rl import compat
+    from mcore_rl import patches
     from mcore_rl.models.replay import RouteReplay, start
 
-    compat.apply(cpu=True)
+    patches.apply(cpu=True)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     replay = RouteReplay(0)
     start([replay], replay=True, record=False)

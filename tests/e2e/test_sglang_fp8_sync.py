@@ -24,10 +24,11 @@ from converters import convert
 from mcore_rl.models.config import HFModel
 from mcore_rl.parallel import Layout
 from mcore_rl.sync import fp8
-from mcore_rl.sync.plan import EngineLayout, SyncPlan
+from mcore_rl.sync.engine_layout import EngineLayout
+from mcore_rl.sync.plan import SyncPlan
 from tests.support import distributed, sglang_reference
-from tests.unit.test_fp8 import deepseek_reference
 from tests.support.tiny_models import make_hf_model
+from tests.unit.test_fp8 import deepseek_reference
 
 FAMILY = "deepseek_v3_fp8"
 

@@ -24,7 +24,8 @@ import torch
 from converters import convert
 from mcore_rl.models.config import HFModel
 from mcore_rl.parallel import Layout
-from mcore_rl.sync.plan import EngineLayout, PlanError, SyncPlan, single_source
+from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
+from mcore_rl.sync.plan import SyncPlan, single_source
 from tests.support import distributed, sglang_reference
 from tests.support.tiny_models import make_hf_model
 
@@ -467,12 +468,12 @@ def test_buckets_respect_the_size_cap():
     (EngineLayout(4, 1, 1, 4), {0: 0, 1: 1, 2: 2, 9: 3}, "do not exist"),
 ])
 def test_bad_engine_layouts_are_refused(engine, rank_of, match):
-    with pytest.raises(PlanError, match=match):
+    with pytest.raises(SyncPlanError, match=match):
         SyncPlan.build(_moonlight_like(), Layout(tp=2), 4, engine, rank_of)
 
 
 def test_ep_not_dividing_experts_is_refused():
-    with pytest.raises(PlanError, match="ep_size=3 does not divide n_routed_experts=64"):
+    with pytest.raises(SyncPlanError, match="ep_size=3 does not divide n_routed_experts=64"):
         SyncPlan.build(_moonlight_like(), Layout(), 6, EngineLayout(6, 3, 1, 6), {r: r for r in range(6)})
 
 
@@ -480,7 +481,7 @@ def test_missing_tensor_in_plan_is_reported():
     hf = _moonlight_like()
     plan = SyncPlan.build(hf, Layout(), 2, EngineLayout(2, 1, 1, 2), {0: 0, 1: 1}, bucket_bytes=1 << 30)
     plan.buckets[0][1].payload.pop()  # a tensor rank 1's engine needs is no longer sent
-    with pytest.raises(PlanError, match="trainer rank 1 .* is missing"):
+    with pytest.raises(SyncPlanError, match="trainer rank 1 .* is missing"):
         plan.check_complete()
 
 

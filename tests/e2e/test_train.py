@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from tests.unit.test_metrics import check_readme_job_plots
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -151,7 +153,7 @@ def test_tiny_grpo_learns_with_sglang_and_resumes_after_sigkill(tmp_path):
     assert steps[0]["sync/verified"] == 1.0 and steps[10]["sync/verified"] == 1.0
     assert os.path.exists(os.path.join(ckpts, "step_30", "trainer_state.json"))
     assert not os.path.exists(os.path.join(ckpts, "step_99.tmp"))
-    assert os.listdir(os.path.join(out, "plots")), "no plots written"
+    check_readme_job_plots(out)
     assert os.listdir(os.path.join(out, "tensorboard"))
     # the killed run printed its steps up to the kill; the resumed one prints steps 11 to 30
     printed = _step_numbers(first_log)

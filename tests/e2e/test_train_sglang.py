@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from mcore_rl import config as C
+from mcore_rl import config_checks
 from mcore_rl import ppo
 from mcore_rl.routing import ExpertLayout
 from tests.support.sync_checks import (BROADCAST, DISK, GLM4_MOE_TINY, QWEN3_MOE_TINY, check_a_corrupted_tensor_fails,
@@ -93,7 +94,7 @@ def old_log_probs(group, batch, replay: bool):
 
 def rollout(cfg, engine, source, seed=3):
     idx = [i for i in range(8) for _ in range(cfg.rollout.n)]
-    experts = ExpertLayout.of(C.hf_model_dims(cfg.model))
+    experts = ExpertLayout.of(config_checks.hf_model_dims(cfg.model))
     return idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed=seed), experts)
 
 

@@ -68,14 +68,14 @@ def _cfg(device: str):
 
 def engine_args(model_dir: str, device: str, nnodes: int, node_rank: int, addr: str | None) -> dict:
     from mcore_rl.rollout.sglang import engine_args as build
-    from mcore_rl.sync.plan import EngineLayout
+    from mcore_rl.sync.engine_layout import EngineLayout
 
     return build(_cfg(device), model_dir, EngineLayout(2, 1, nnodes, 2 // nnodes), node_rank, addr, 0.3)
 
 
 def engine_env(device: str) -> dict:
     from mcore_rl.rollout.sglang import engine_env as build
-    from mcore_rl.sync.plan import EngineLayout
+    from mcore_rl.sync.engine_layout import EngineLayout
 
     return build(_cfg(device), EngineLayout(2, 1, 2, 1))
 

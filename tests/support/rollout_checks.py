@@ -20,7 +20,7 @@ import torch
 from mcore_rl import config as C
 from mcore_rl.rollout.base import EngineError, SamplingParams, flatten
 from mcore_rl.rollout.group import EngineSlot
-from mcore_rl.sync.plan import EngineLayout
+from mcore_rl.sync.engine_layout import EngineLayout
 
 STOP = 7  # a token id that ends a response (the tiny models' configs say nothing about EOS)
 PROMPTS = [[11, 12, 13, 14], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42]]

@@ -67,7 +67,7 @@ def test_packed_attention_splits_by_the_host_bounds():
 
 def test_varlen_attention_falls_back_to_per_sequence_sdpa_off_gpu():
     """The varlen class runs torch's flash varlen kernel on CUDA only (its equality with the
-    per-sequence path and an fp32 reference on GPU: benchmarks/gpu_checks.py, run by actor_bench --checks;
+    per-sequence path and an fp32 reference on GPU: tests/gpu/gpu_checks.py, run by actor_bench --checks;
     on 2 x H200 both were 3.7e-2 from fp32 in logits); on CPU it is the per-sequence path."""
     from megatron.core.transformer.enums import AttnMaskType
 

@@ -543,7 +543,8 @@ def test_options_inert_in_the_chosen_mode_are_named_once(tmp_path, capsys):
 def test_shipped_configs_warn_of_no_inert_option():
     import glob
 
-    from mcore_rl.config import inert_options, load_config
+    from mcore_rl.config import load_config
+    from mcore_rl.config_checks import inert_options
 
     for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
         assert inert_options(load_config(path, validate=False)) == [], path

@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from mcore_rl.config import (Config, ConfigError, apply_overrides, config_from_dict, load_config,
-                             to_yaml, validate_config)
+from mcore_rl.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, to_yaml
+from mcore_rl.config_checks import validate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "grpo_tiny_task_cpu.yaml")

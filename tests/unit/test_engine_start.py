@@ -11,7 +11,7 @@ import subprocess
 
 from mcore_rl.config import load_config
 from mcore_rl.rollout import engine_kwargs, engine_start, jit_cache
-from mcore_rl.sync.plan import EngineLayout
+from mcore_rl.sync.engine_layout import EngineLayout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_GPU = os.path.join(ROOT, "configs", "tiny_gpu.yaml")

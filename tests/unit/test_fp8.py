@@ -69,7 +69,7 @@ def test_an_fp8_engine_starts_from_an_fp8_checkpoints_config(tmp_path):
 
     from mcore_rl.config import load_config
     from mcore_rl.rollout.sglang import engine_args, engine_env, engine_model_dir
-    from mcore_rl.sync.plan import EngineLayout
+    from mcore_rl.sync.engine_layout import EngineLayout
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs", "tiny_cpu.yaml"), ["cluster.device=gpu", "rollout.weight_dtype=fp8",

@@ -13,7 +13,7 @@ import pytest
 from mcore_rl.config import ConfigError, load_config
 from mcore_rl.memory import host as H
 from mcore_rl.memory.layout import inventory, megatron_rank_numel
-from mcore_rl.memory.planner import GiB, PlanError, PlanInputs
+from mcore_rl.memory.planner import GiB, MemoryPlanError, PlanInputs
 from mcore_rl.models.config import HFModel
 from mcore_rl.plan import plan_for_config
 
@@ -78,10 +78,10 @@ def test_a_node_over_its_ram_is_refused_after_the_gpu_checks():
     need = ok.host.total(0)
     with pytest.raises(H.HostPlanError) as e:
         plan_of(f"cluster.host_memory_gb={(need - 10 * GiB) / GiB}")
-    assert isinstance(e.value, PlanError) and e.value.shortfall == pytest.approx(10 * GiB, abs=2)
+    assert isinstance(e.value, MemoryPlanError) and e.value.shortfall == pytest.approx(10 * GiB, abs=2)
     assert "host memory plan refused: node 0 is short by 10.00 GiB" in str(e.value)
     assert "largest: trainer states, pinned" in str(e.value) and "OVER" in e.value.plan.table()
-    with pytest.raises(PlanError) as e:  # both short: the GPU refusal is the one raised
+    with pytest.raises(MemoryPlanError) as e:  # both short: the GPU refusal is the one raised
         plan_of("cluster.host_memory_gb=10", "memory.gpu_memory_gb=24", capacity=None)
     assert not isinstance(e.value, H.HostPlanError) and "phase 'train'" in str(e.value)
     assert e.value.plan.host is not None  # its table still shows the host side

@@ -1,4 +1,4 @@
-"""benchmarks/layer_bench.py runs at tiny size on CPU and reports both expert paths."""
+"""`benchmarks/actor_bench.py layer` runs at tiny size on CPU and reports both expert paths."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_layer_bench_cpu_smoke(tmp_path):
     out = tmp_path / "layer.json"
-    cmd = [sys.executable, "benchmarks/layer_bench.py", "--cpu", "--tiny", "--seq", "64", "--batch", "2",
+    cmd = [sys.executable, "benchmarks/actor_bench.py", "layer", "--cpu", "--tiny", "--seq", "64", "--batch", "2",
            "--steps", "1", "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1"))

@@ -13,7 +13,7 @@ import yaml
 
 from mcore_rl.memory.gpus import GpuSelectionError, parse_visible, plan_capacity
 from mcore_rl.memory.layout import inventory
-from mcore_rl.memory.planner import GiB, PlanError, PlanInputs, make_plan, trainer_bytes
+from mcore_rl.memory.planner import GiB, MemoryPlanError, PlanInputs, make_plan, trainer_bytes
 from mcore_rl.models.config import HFModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -252,7 +252,7 @@ def test_config_options_reach_the_plan():
 def test_oversized_plan_is_refused_naming_phase_and_shortfall():
     hf = HFModel.from_dict(MOONLIGHT)
     i = PlanInputs(capacity=24 * GiB, world=16, tp=2, ep=8, micro_tokens=2 * 5120, rollout_tp=16, rollout_ep=16)
-    with pytest.raises(PlanError) as info:
+    with pytest.raises(MemoryPlanError) as info:
         make_plan(hf, i)
     e = info.value
     assert e.phase == "train" and e.shortfall == e.plan.total("train") - 24 * GiB > 0
@@ -261,7 +261,7 @@ def test_oversized_plan_is_refused_naming_phase_and_shortfall():
     # the KV cache must hold at least one full sequence
     tiny_kv = PlanInputs(capacity=80 * GiB, world=16, tp=2, ep=8, micro_tokens=1024, rollout_tp=16,
                          rollout_ep=16, mem_fraction_static=0.03, seq_len=100_000)
-    with pytest.raises(PlanError, match="phase 'rollout'.*less than one sequence"):
+    with pytest.raises(MemoryPlanError, match="phase 'rollout'.*less than one sequence"):
         make_plan(hf, tiny_kv)
 
 
@@ -435,7 +435,7 @@ def test_a_gpu_engine_gets_the_planned_fraction_and_kv_tokens():
     from mcore_rl.plan import plan_for_config
     from mcore_rl.rollout import sglang as S
     from mcore_rl.rollout.launch import _engine_memory
-    from mcore_rl.sync.plan import EngineLayout
+    from mcore_rl.sync.engine_layout import EngineLayout
 
     cfg = load_config(TINY_GPU_YAML, ["memory.auto_mem_fraction=true"])
     plan, _ = plan_for_config(cfg, capacity=int(79 * GiB))
@@ -454,7 +454,7 @@ def test_the_engine_decodes_no_larger_batch_than_planned():
     from mcore_rl.config import load_config
     from mcore_rl.plan import plan_for_config
     from mcore_rl.rollout import sglang as S
-    from mcore_rl.sync.plan import EngineLayout
+    from mcore_rl.sync.engine_layout import EngineLayout
 
     def planned(*overrides):
         cfg = load_config(TINY_GPU_YAML, ["rollout.cuda_graph_max_bs=64", *overrides])

@@ -1,4 +1,4 @@
-"""Metrics logger sinks, secret hygiene, timing, rollout metrics, and the plot CLI."""
+"""Metrics logger sinks, secret hygiene, and the plot CLI (its panels on a real run: tests/e2e/test_train.py)."""
 
 import io
 import json
@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from mcore_rl.metrics import MetricsLogger, is_secret_key, redact, rollout_metrics, timed
-from mcore_rl.plot import PANELS, load_metrics, plot_run
+from mcore_rl.metrics import MetricsLogger, is_secret_key, redact
+from mcore_rl.plot import PANELS, distinct, load_metrics, phase_times, plot_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLANTED = {"WANDB_API_KEY": "planted-wandb-key-1234", "HF_TOKEN": "hf_plantedtoken5678",
@@ -86,35 +86,11 @@ def test_secret_key_rule_and_redact():
     assert redact({"a": ["xx-sekrit-xx"], "token": "t"}, ["sekrit"]) == {"a": ["xx-***-xx"], "token": "***"}
 
 
-def test_timed_accumulates_phases():
-    metrics = {}
-    for _ in range(2):
-        with timed("gen", metrics):
-            sum(range(10000))
-    with pytest.raises(RuntimeError), timed("update_actor", metrics):
-        raise RuntimeError("still timed")
-    assert set(metrics) == {"timing_s/gen", "timing_s/update_actor"} and metrics["timing_s/gen"] > 0
-
-
-def test_rollout_metrics_by_hand():
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    scores = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
-    adv = torch.tensor([[1.0, 1.0, 9.0], [-1.0, -1.0, -1.0]])
-    m = rollout_metrics(scores, scores - 0.5 * mask, adv, adv, mask, max_response_len=3)
-    assert m["critic/score/mean"] == 0.5 and m["critic/score/max"] == 1.0
-    assert m["critic/rewards/mean"] == pytest.approx((0.0 - 1.5) / 2)
-    assert m["critic/advantages/max"] == 1.0 and m["critic/advantages/mean"] == pytest.approx(-1 / 5)
-    assert m["response_length/mean"] == 2.5 and m["response_length/clip_ratio"] == 0.5
-
-
-def write_run(run_dir, steps=30):
+def write_run(run_dir, steps=3):
     with MetricsLogger(str(run_dir), ["jsonl"]) as log:
         for step in range(steps):
-            log.log({"critic/score/mean": 1 - math.exp(-step / 8), "critic/score/max": 1.0,
-                     "actor/entropy": 2.0 * math.exp(-step / 10), "actor/ppo_kl": 0.001 * step,
-                     "actor/kl_loss": 0.002 * step, "actor/pg_loss": -0.1 + 0.01 * math.sin(step),
-                     "timing_s/gen": 3 + math.sin(step), "timing_s/update_actor": 5.0,
-                     "response_length/mean": 100 + step}, step=step)
+            log.log({"critic/score/mean": 1 - math.exp(-step / 8), "actor/entropy": 2.0 * math.exp(-step / 10)},
+                    step=step)
 
 
 def test_load_metrics_merges_a_steps_records_and_skips_partial_lines(tmp_path):
@@ -128,25 +104,39 @@ def test_load_metrics_merges_a_steps_records_and_skips_partial_lines(tmp_path):
     assert "x" not in series
 
 
-def test_panels_pick_their_metrics():
-    shows = {name: wants for name, (_, _, wants) in PANELS.items()}
-    assert shows["reward"]("critic/score/mean") and shows["reward"]("val/reward")
-    assert not shows["reward"]("critic/score/max") and not shows["reward"]("actor/reward_kl_penalty")
-    assert shows["kl"]("actor/reward_kl_penalty") and not shows["kl"]("actor/pg_clipfrac")
-    assert shows["timing"]("timing_s/gen") and shows["loss"]("actor/pg_loss")
+def test_one_line_per_distinct_quantity_and_the_phases_of_a_step():
+    same, other = ([1, 2], [0.5, 0.25]), ([1, 2], [0.5, 0.75])
+    assert list(distinct({"reward/mean": same, "critic/score/mean": same, "critic/rewards/mean": other})) == \
+        ["reward/mean", "critic/rewards/mean"]
+    # timing/to_rollout holds the save and the sync: its own bar is the rest
+    times = phase_times({"timing/rollout": ([1], [2.0]), "timing/to_rollout": ([1], [1.5]), "sync/seconds": ([1], [1.0]),
+                         "timing/save": ([1], [0.25]), "timing/update_actor": ([1], [3.0])})
+    assert times == {"rollout": ([1], [2.0]), "update": ([1], [3.0]), "save": ([1], [0.25]),
+                     "to_rollout": ([1], [0.25]), "sync": ([1], [1.0])}
 
 
-def test_plot_cli_writes_pngs(tmp_path):
-    write_run(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "mcore_rl.plot", str(tmp_path)], capture_output=True,
+# a CPU run measures no GPU memory: every other panel is drawn for the README job
+README_JOB_PANELS = sorted(f"{name}.png" for name in PANELS if name != "gpu_memory") + ["overview.png"]
+
+
+def check_readme_job_plots(run_dir: str) -> None:
+    """The plots of a README job (tests/e2e/test_train.py): every panel, timing and length included,
+    drawn from the metrics.jsonl that run wrote; the plot CLI writes the same set."""
+    assert sorted(os.listdir(os.path.join(run_dir, "plots"))) == sorted(README_JOB_PANELS)
+    series = load_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    assert {"rollout", "to_train", "update", "to_rollout", "sync"} <= set(phase_times(series))
+    assert {"response/length", "response/length_max", "response/length_min"} <= set(series)
+    out = os.path.join(run_dir, "plots_cli")
+    proc = subprocess.run([sys.executable, "-m", "mcore_rl.plot", run_dir, "--out", out], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    names = sorted(os.path.basename(p) for p in proc.stdout.split())
-    assert names == ["entropy.png", "kl.png", "length.png", "loss.png", "overview.png", "reward.png",
-                     "timing.png"]
-    for name in names:
-        data = (tmp_path / "plots" / name).read_bytes()
+    assert sorted(os.path.basename(p) for p in proc.stdout.split()) == sorted(README_JOB_PANELS)
+    for name in README_JOB_PANELS:
+        data = open(os.path.join(out, name), "rb").read()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_refuses_a_run_without_metrics(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "metrics.jsonl").write_text(json.dumps({"step": 0, "foo": 1}) + "\n")

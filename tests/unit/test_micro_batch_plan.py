@@ -10,7 +10,8 @@ import re
 import pytest
 
 from mcore_rl import config as C
-from mcore_rl.memory.planner import BUDGET_STEP, GiB, PlanError, PlanInputs, make_plan
+from mcore_rl import config_checks
+from mcore_rl.memory.planner import BUDGET_STEP, GiB, MemoryPlanError, PlanInputs, make_plan
 from mcore_rl.models.config import HFModel
 from mcore_rl.plan import apply_choice, plan_for_config, settle_without_plan
 
@@ -27,10 +28,10 @@ def cfg_of(*overrides):
 
 def fits(cfg, budget: int, recompute: str) -> bool:
     """Whether make_plan takes `cfg` at this budget and recompute (the planner's own check, made here)."""
-    hf = HFModel.from_dict(C.hf_model_dims(cfg.model))
+    hf = HFModel.from_dict(config_checks.hf_model_dims(cfg.model))
     try:
         make_plan(hf, PlanInputs.from_config(cfg, H200, budget=budget, recompute=recompute))
-    except PlanError as e:
+    except MemoryPlanError as e:
         assert e.phase == "train", e  # only the train phase depends on the budget
         return False
     return True
@@ -51,7 +52,7 @@ def test_auto_picks_the_largest_budget_that_fits_without_recompute_and_the_run_g
 
 
 def test_a_set_budget_that_cannot_fit_is_refused_naming_the_largest_that_would():
-    with pytest.raises(PlanError) as info:
+    with pytest.raises(MemoryPlanError) as info:
         plan_for_config(cfg_of("actor.ppo_max_token_len_per_gpu=16384", "memory.recompute=none"), capacity=H200)
     e = info.value
     assert e.phase == "train" and "megatron activations" in str(e)
@@ -63,7 +64,7 @@ def test_a_set_budget_that_cannot_fit_is_refused_naming_the_largest_that_would()
                               capacity=H200)
     assert plan.inputs.micro_tokens == largest
     assert "tokens per GPU; recompute none" in plan.table()  # set, not picked
-    with pytest.raises(PlanError, match="phase 'train'"):
+    with pytest.raises(MemoryPlanError, match="phase 'train'"):
         plan_for_config(cfg_of(f"actor.ppo_max_token_len_per_gpu={largest + BUDGET_STEP}", "memory.recompute=none"),
                         capacity=H200)
 
@@ -83,13 +84,13 @@ def test_auto_recomputes_when_no_recompute_leaves_less_than_4096_tokens():
     MoE layers buys a larger one, and the plan takes it."""
     cfg = cfg_of()
     small = int(100 * GiB)
-    hf = HFModel.from_dict(C.hf_model_dims(cfg.model))
+    hf = HFModel.from_dict(config_checks.hf_model_dims(cfg.model))
 
     def ok(budget, mode):
         try:
             make_plan(hf, PlanInputs.from_config(cfg, small, budget=budget, recompute=mode))
             return True
-        except PlanError:
+        except MemoryPlanError:
             return False
 
     assert not ok(4096, "none")

@@ -6,14 +6,14 @@ import pytest
 
 from mcore_rl.rollout.sglang import EngineLaunch
 from mcore_rl.sync.placement import GpuSlot, colocate, parse_visible_devices
-from mcore_rl.sync.plan import EngineLayout, PlanError
+from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
 
 
 @pytest.mark.parametrize("value,match", [("0,1,0,1", "more than once"), ("0,,1", "empty entry"),
                                          ("0,x", "neither GPU indices"), ("0,GPU-1234abcd-aa", "mixes"),
                                          ("0,9", "out of range")])
 def test_bad_visible_devices_are_rejected(value, match):
-    with pytest.raises(PlanError, match=match):
+    with pytest.raises(SyncPlanError, match=match):
         parse_visible_devices(value, device_count=8)
 
 
@@ -47,7 +47,7 @@ def test_colocate_two_nodes_counts_gpus_from_the_placement():
     ([["GPU-0000aaaa", "GPU-0100aaaa"]], 2, "spans hosts"),
 ])
 def test_bad_placements_are_refused(engine_nodes, tp, match):
-    with pytest.raises(PlanError, match=match):
+    with pytest.raises(SyncPlanError, match=match):
         colocate(_trainer(2, 2), engine_nodes, tp_size=tp)
 
 
@@ -59,7 +59,7 @@ def test_multinode_launch_args_share_everything_but_node_rank():
     assert a["nnodes"] == 2 and a["enable_memory_saver"] and a["dist_init_addr"] == "10.0.0.1:5000"
     cli = launch.cli(1)
     assert cli[cli.index("--node-rank") + 1] == "1" and "--enable-memory-saver" in cli
-    with pytest.raises(PlanError, match="gpus_per_node x nnodes"):
+    with pytest.raises(SyncPlanError, match="gpus_per_node x nnodes"):
         EngineLaunch("/m", EngineLayout(16, 1, nnodes=2), dist_init_addr="h:1")
-    with pytest.raises(PlanError, match="host:port"):
+    with pytest.raises(SyncPlanError, match="host:port"):
         EngineLaunch("/m", EngineLayout(16, 1, nnodes=2, gpus_per_node=8), dist_init_addr="nohost")

@@ -12,8 +12,8 @@ users run: `python -m mcore_rl.train`).
 On CPU (fp32, gloo) the two are bit-exact; on a GPU they agree within bf16 noise. Prints a table
 and writes JSON:
 
-    python benchmarks/resume_check.py --config configs/tiny_cpu.yaml --out resume.json
-    python benchmarks/resume_check.py --config configs/moonlight_2gpu.yaml --out resume.json \\
+    python tests/gpu/resume_check.py --config configs/tiny_cpu.yaml --out resume.json
+    python tests/gpu/resume_check.py --config configs/moonlight_2gpu.yaml --out resume.json \\
         cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 model.hf_config.num_hidden_layers=4
 
 Disk: two checkpoints and one's optimizer states at once (step N-1, the resumed N and the
@@ -33,7 +33,7 @@ import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from benchmarks.harness import table, write_json  # noqa: E402

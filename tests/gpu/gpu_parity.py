@@ -6,7 +6,7 @@ GPU and at TP2 / EP2 / PP2 over NCCL are compared with it by relative error ||x 
 bf16 lands between 1e-3 and 1e-2; the HF-bf16 row says what bf16 alone costs. Prints a table,
 writes JSON.
 
-    python benchmarks/gpu_parity.py --gpus 2 --out gpu_parity.json
+    python tests/gpu/gpu_parity.py --gpus 2 --out gpu_parity.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from benchmarks.harness import table, write_json  # noqa: E402

@@ -1,4 +1,4 @@
-"""The compat patches that remove host syncs from megatron's no-TE fallbacks compute what megatron
+"""The patches that remove host syncs from megatron's no-TE fallbacks compute what megatron
 computes (bit for bit where the same kernels run) and no longer read device values on the host."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcore_rl import compat
+from mcore_rl import patches
+from mcore_rl.patches import no_te
 
 ONE_CP_RANK = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
 
@@ -27,7 +28,7 @@ def _host_reads(fn) -> int:
 def test_packed_rope_equals_megatron_without_host_reads(lens, mla):
     from megatron.core.models.common.embeddings import rope_utils
 
-    compat.apply(cpu=True)
+    patches.apply(cpu=True)
     patched = rope_utils._apply_rotary_pos_emb_thd
     original = patched.__wrapped__
     torch.manual_seed(0)
@@ -46,29 +47,42 @@ def test_grad_norm_and_scale_equal_megatron_fallbacks_without_host_reads():
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
-    compat.apply(cpu=True)
-    assert clip_grads.l2_norm_impl is compat._foreach_l2_norm
-    assert clip_grads.multi_tensor_scale_impl is compat._foreach_scale
+    patches.apply(cpu=True)
+    assert clip_grads.l2_norm_impl is no_te.foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is no_te.foreach_scale
     torch.manual_seed(1)
     grads = [torch.randn(n) for n in (7, 300, 1, 64)]
     flag = torch.zeros(1, dtype=torch.int)
-    ours, _ = compat._foreach_l2_norm(0, flag, [grads], False)
+    ours, _ = no_te.foreach_l2_norm(0, flag, [grads], False)
     theirs, _ = utils.local_multi_tensor_l2_norm(0, flag, [grads], False)
     torch.testing.assert_close(ours, theirs.to(ours.device), rtol=1e-6, atol=0)
-    assert _host_reads(lambda: compat._foreach_l2_norm(0, flag, [grads], False)) == 0
+    assert _host_reads(lambda: no_te.foreach_l2_norm(0, flag, [grads], False)) == 0
     assert _host_reads(lambda: utils.local_multi_tensor_l2_norm(0, flag, [grads], False)) == len(grads) + 1
 
     scaled = [g.clone() for g in grads]
-    compat._foreach_scale(0, flag, [scaled, scaled], 0.25)  # in place, as clipping calls it
+    no_te.foreach_scale(0, flag, [scaled, scaled], 0.25)  # in place, as clipping calls it
     assert all(torch.equal(s, g * 0.25) for s, g in zip(scaled, grads))
     into = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]  # main -> model params
     want = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
-    compat._foreach_scale(0, flag, [grads, into], 1.0)
+    no_te.foreach_scale(0, flag, [grads, into], 1.0)
     utils.local_multi_tensor_scale(0, flag, [grads, want], 1.0)
     assert all(torch.equal(a, b) for a, b in zip(into, want))
 
 
 def test_skipped_patches_are_named(monkeypatch):
-    monkeypatch.setenv(compat.SKIP_ENV, "no_such_patch")
+    monkeypatch.setenv(patches.SKIP_ENV, "no_such_patch")
     with pytest.raises(ValueError, match="no_such_patch"):
-        compat.apply(cpu=True)
+        patches.apply(cpu=True)
+
+
+def test_the_cpu_stand_ins_are_not_imported_on_a_gpu():
+    """On a GPU, apply() imports the megatron and no-TE patches only: patches/cpu.py stays out."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from mcore_rl import patches; applied = patches.apply(cpu=False); "
+            "assert 'mcore_rl.patches.cpu' not in sys.modules, 'cpu patches imported'; "
+            "assert not [n for n in applied if n.startswith('cpu_')], applied; print(applied)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "rope_thd_no_sync" in p.stdout

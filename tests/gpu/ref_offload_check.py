@@ -6,7 +6,7 @@ the reference holds, the time of one `ref_log_probs` (onload + forward + offload
 the reference's log-probs are from the policy's (the same weights: they must agree to bf16
 kernel noise, offloaded or not).
 
-    python benchmarks/ref_offload_check.py --layers 4 --out ref_offload.json   # GPU
+    python tests/gpu/ref_offload_check.py --layers 4 --out ref_offload.json   # GPU
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def measure(offload: bool, hf_dir: str, args, port: int) -> dict:
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     from benchmarks.harness import table, write_json
-    from benchmarks.shapes import hf_config
+    from benchmarks.harness import hf_config
     from mcore_rl.parallel import free_port
 
     with tempfile.TemporaryDirectory() as hf_dir:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         rows = [measure(False, hf_dir, args, port), measure(True, hf_dir, args, port)]
     res = dict(rows=rows, device=torch.cuda.get_device_name(),
                saved_gib=rows[0]["model_and_ref_gib"] - rows[1]["model_and_ref_gib"],
-               command="python benchmarks/ref_offload_check.py " + " ".join(argv or sys.argv[1:]))
+               command="python tests/gpu/ref_offload_check.py " + " ".join(argv or sys.argv[1:]))
     print(table(["offload_ref", "policy+ref GiB", "ref_log_probs s", "|ref - policy|", "|ref - ref|"],
                 [(str(r["offload"]), r["model_and_ref_gib"], r["ref_log_probs_s"], r["ref_vs_policy_max_abs"],
                   r["ref_repeat_max_abs"]) for r in rows]))

@@ -9,7 +9,7 @@ own files into DIR/configs/triton_<version>/, beside a copy of the ones it ships
 with `rollout.moe_config_dir=DIR` (SGLANG_MOE_CONFIG_DIR) uses them. Prints a table (the default
 tile's and the best tile's microseconds per batch size) and writes JSON. GPU only:
 
-    python benchmarks/tune_fused_moe.py --config configs/moonlight_2gpu.yaml --dir /tmp/moe_configs \\
+    python scripts/tune_fused_moe.py --config configs/moonlight_2gpu.yaml --dir /tmp/moe_configs \\
         --out tune.json --dtypes fp8,bf16 rollout.tp_size=1
 """
 
@@ -180,9 +180,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         p.error("tune_fused_moe times triton kernels: it needs a GPU")
     from mcore_rl import config as C
+    from mcore_rl import config_checks
 
     cfg = C.load_config(a.config, a.overrides)
-    hf_config = C.hf_model_dims(cfg.model)
+    hf_config = config_checks.hf_model_dims(cfg.model)
     shape, batches = expert_shape(hf_config, cfg.rollout), [int(b) for b in a.batches.split(",")]
     t0 = time.perf_counter()
     results, files = {}, []

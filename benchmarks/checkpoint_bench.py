@@ -1,11 +1,24 @@
-"""Merge a Moonlight-16B-A3B-shaped verl FSDP2 checkpoint on the CPU machine: wall time, peak RSS.
+"""Checkpoint conversion on the CPU machine, at Moonlight-16B-A3B shape.
+
+`convert`: HF -> Megatron -> HF at Moonlight-16B-A3B shape: wall time and peak RSS.
+
+Writes an HF checkpoint of the real shapes (`configs/moonlight_16b.yaml`'s model, random bf16
+values seeded by each tensor's name, streamed tensor by tensor), converts it with
+`python -m converters hf-to-mcore` at TP2/PP2/EP4 and back with `mcore-to-hf`, each in a child
+process whose peak RSS comes from wait4(). The input is deleted before the way back (disk), so
+the output is checked bit-exact against the values regenerated from their seeds. Prints a table,
+writes JSON, deletes the data.
+
+    python benchmarks/checkpoint_bench.py convert --work /tmp/convert_bench --json convert_bench.json [--layers 4]
+
+`merge`: a Moonlight-16B-A3B-shaped verl FSDP2 checkpoint merged into HF safetensors: wall time, peak RSS.
 
 Writes `--ranks` rank files (DTensor Shard(0) over a 1-D mesh, verl's names and layout) split
 over `--nodes` directories, one rank file at a time (one rank's shard in memory, not the model),
 runs `python -m converters merge` in a child process and reads its peak RSS from wait4(), checks
 sampled output tensors against the fill pattern, prints a table, writes JSON, deletes the data.
 
-    python benchmarks/merge_bench.py --work /tmp/merge_bench --json benchmarks/merge_bench.json
+    python benchmarks/checkpoint_bench.py merge --work /tmp/merge_bench --json merge_bench.json
 """
 
 from __future__ import annotations
@@ -18,13 +31,102 @@ import re
 import shutil
 import sys
 import time
+import zlib
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.harness import run_child, write_json  # noqa: E402
-from benchmarks.shapes import moonlight  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
+from benchmarks.harness import moonlight, run_child, run_command, table, write_json  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- HF <-> Megatron (`convert`)
+def model_config(layers: int | None) -> dict:
+    return {**moonlight(layers), "torch_dtype": "bfloat16"}
+
+
+def value(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=g) * 0.02).to(dtype)
+
+
+def planned(cfg: dict):
+    from converters.planned_writer import Planned
+    from mcore_rl.memory.layout import inventory
+    from mcore_rl.models import HFModel
+
+    return [Planned(name, shape, torch.float32 if w.split == "buffer" else torch.bfloat16)
+            for w in inventory(HFModel.from_dict(cfg)) for name, shape in w.hf]
+
+
+def write_hf(out: str, cfg: dict) -> int:
+    from converters.planned_writer import PlannedWriter
+
+    os.makedirs(out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    plan = planned(cfg)
+    writer = PlannedWriter(out, plan)
+    for e in plan:
+        writer.write(e.name, value(e.name, e.shape, e.dtype))
+    writer.close()
+    return sum(e.nbytes for e in plan)
+
+
+def verify(out: str, cfg: dict) -> tuple[int, list[str]]:
+    from safetensors import safe_open
+
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        where = json.load(f)["weight_map"]
+    bad, checked = [], 0
+    for e in planned(cfg):
+        with safe_open(os.path.join(out, where[e.name]), "pt") as f:
+            got = f.get_tensor(e.name)
+        if got.dtype != e.dtype or not torch.equal(got, value(e.name, e.shape, e.dtype)):
+            bad.append(e.name)
+        checked += 1
+    return checked, bad
+
+
+def convert_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="checkpoint_bench.py convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default="/tmp/convert_bench")
+    p.add_argument("--json", default="convert_bench.json")
+    p.add_argument("--layers", type=int, default=0, help="fewer layers (0: all 27)")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--ep", type=int, default=4)
+    a = p.parse_args(argv)
+    cfg = model_config(a.layers)
+    hf, mc, back = (os.path.join(a.work, d) for d in ("hf", "mcore", "hf_back"))
+    shutil.rmtree(a.work, ignore_errors=True)
+    try:
+        t0 = time.perf_counter()
+        nbytes = write_hf(hf, cfg)
+        gen_s = time.perf_counter() - t0
+        py = [sys.executable, "-m", "converters"]
+        to_mcore = run_child([*py, "hf-to-mcore", "--hf", hf, "--out", mc, "--tp", str(a.tp), "--pp", str(a.pp),
+                              "--ep", str(a.ep)], cwd=ROOT)
+        shutil.copy(os.path.join(hf, "config.json"), os.path.join(a.work, "config.json"))
+        shutil.rmtree(hf)  # disk: the check below regenerates the input from its seeds
+        to_hf = run_child([*py, "mcore-to-hf", "--ckpt", mc, "--out", back], cwd=ROOT)
+        checked, bad = verify(back, cfg)
+    finally:
+        shutil.rmtree(a.work, ignore_errors=True)
+    res = {"layers": cfg["num_hidden_layers"], "layout": f"tp{a.tp} pp{a.pp} ep{a.ep}",
+           "gib": nbytes / 2**30, "generate_s": gen_s, "hf_to_mcore": to_mcore, "mcore_to_hf": to_hf,
+           "tensors_checked": checked, "mismatched": bad, "bit_exact": not bad,
+           "command": "python benchmarks/checkpoint_bench.py convert " + " ".join(argv)}
+    print(f"{res['gib']:.2f} GiB bf16, {res['layers']} layers")
+    print(table(["step", "wall s", "peak RSS GiB"], [(k, res[k]["wall_s"], res[k]["peak_rss_gib"])
+                                                      for k in ("hf_to_mcore", "mcore_to_hf")], 2))
+    print(f"bit-exact: {res['bit_exact']} ({checked} tensors)")
+    write_json(res, a.json)
+    return 0 if res["bit_exact"] else 1
+
+
+# ----------------------------------------------------------------------------- verl FSDP merge (`merge`)
 MOONLIGHT = {**moonlight(), "dtype": "bfloat16"}  # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 architecture)
 
 
@@ -113,12 +215,12 @@ def timed_merge(dirs: list[str], out: str) -> dict:
     cmd = [sys.executable, "-m", "converters", "merge", "--backend", "fsdp", "--local-dir", *dirs,
            "--target-dir", out]
     env = dict(os.environ, MCORE_RL_NO_PROGRESS="1")
-    res = run_child(cmd, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = run_child(cmd, env=env, cwd=ROOT)
     return {"command": " ".join(cmd), "wall_s": round(res["wall_s"], 1), "peak_rss_gib": round(res["peak_rss_gib"], 2)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def merge_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="checkpoint_bench.py merge", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="/tmp/merge_bench", help="scratch directory (deleted afterwards)")
     p.add_argument("--layers", type=int, default=MOONLIGHT["num_hidden_layers"])
     p.add_argument("--ranks", type=int, default=8)
@@ -156,6 +258,13 @@ def main(argv=None) -> int:
     if a.json:
         write_json(res, a.json)
     return 0
+
+
+COMMANDS = {"convert": convert_main, "merge": merge_main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command("checkpoint_bench.py", COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Each run's JSON keeps the planner inputs of its worst rank (layout, micro-batch 
 this recomputes the prediction from them, so a planner change is checked against every recorded
 measurement without a GPU. Prints a table; --out writes JSON.
 
-    python benchmarks/actor_replan.py benchmarks/gpu/actor_memory_h200x2/*.json
+    python tests/gpu/actor_replan.py benchmarks/gpu/actor_memory_h200x2/*.json
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 
@@ -27,7 +27,7 @@ def _attention(overrides: list[str]) -> str:
 
 def replan(path: str) -> list[dict]:
     from benchmarks.actor_bench import planner
-    from benchmarks.shapes import moonlight
+    from benchmarks.harness import moonlight
 
     with open(path) as f:
         report = json.load(f)
