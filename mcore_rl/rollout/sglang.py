@@ -22,7 +22,7 @@ from mcore_rl.parallel import free_port
 from mcore_rl.rollout import engine_logs, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
-from mcore_rl.rollout.spawn import children_skip_main
+from mcore_rl.rollout.spawn import children_forked, children_skip_main
 from mcore_rl.sync.plan import EngineLayout, PlanError
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site")
@@ -246,7 +246,13 @@ class SGLangServer:
         self.nccl_port = engine_args.get("nccl_port")
         engine_args = adapt_args(engine_args, known)
         t0 = time.perf_counter()
-        with children_skip_main():
+        if device == "cpu":
+            from sglang.srt.entrypoints import engine as engine_module
+
+            start = children_forked(engine_module)
+        else:
+            start = children_skip_main()
+        with start:
             self.engine = sglang.Engine(**engine_args)
         self.start_seconds = time.perf_counter() - t0
         self.route_shape = None  # (layers, top-k) of the routed experts it returns
