@@ -3,7 +3,8 @@ then the same engine alone on the same GPUs generating the same batch shape.
 
     python benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml [key=value ...] --out r.json
 
-Reports, per step (medians over steps 2..N; step 1 warms up): each phase's seconds (rollout;
+Reports the start-up (each phase's seconds as the console's `start:` lines give them, the seconds to
+step 1 and step 1's own) and, per step (medians over steps 2..N; step 1 warms up): each phase's seconds (rollout;
 release + trainer onload; old log-probs; update; trainer offload + resume weights + sync + resume
 KV), SGLang's generation tokens/s in the loop and alone, the sync's seconds and GB/s (bytes the
 trainer sent, over the sync's wall time), the update's TFLOP/s per GPU (6 x active parameters +
@@ -33,6 +34,7 @@ import argparse
 import collections
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,6 +74,9 @@ def at_peak(step: dict) -> dict:
 MODE_ARGS = {"sync": (), "one_step_off": ("trainer.mode=one_step_off",),
              "fully_async": ("trainer.mode=fully_async", "trainer.partial_rollout_tokens=8")}
 STEP_KEYS = ("time", "timing/", "sync/seconds", "async/", "perf/samples_per_s", "response/length")
+MULTITURN = ("multiturn/turns_mean", "multiturn/tool_calls_mean", "multiturn/observation_tokens_mean",
+             "multiturn/tool_failures", "multiturn/prefix_cache_hit_rate", "timing/rollout_generate",
+             "timing/rollout_tools")
 MODE_METRICS = ("async/staleness_mean", "async/staleness_max", "async/partial_fraction", "async/engine_idle_fraction",
                 "async/trainer_idle_fraction", "response/length")
 
@@ -86,24 +91,49 @@ def active_params(hf) -> float:
     return dense + (routed * hf.get("num_experts_per_tok") / hf.num_experts if hf.num_experts else 0)
 
 
-def run_loop(config: str, overrides: list[str], out: str) -> tuple[dict[int, dict], dict]:
-    """The loop's metrics by step, and its whole-run peaks (GPU; host RSS of the loop's process tree,
-    which on a local Ray run holds the raylet, actors and engines)."""
+def run_loop(config: str, overrides: list[str], out: str, logs: str | None = None) -> tuple[dict[int, dict], dict, dict]:
+    """The loop's metrics by step, its whole-run peaks (GPU; host RSS of the loop's process tree,
+    which on a local Ray run holds the raylet, actors and engines) and its start-up (each phase's
+    seconds and the seconds to step 1, `console.start_record`). logs: where the run's engine logs
+    (`out`/logs) and its metrics.jsonl are copied when it ends, failed or cut (SIGTERM, as `timeout` sends) too."""
+    from mcore_rl.console import start_record
     from mcore_rl.memory.monitor import PhaseMonitor
 
     cmd = [sys.executable, "-m", "mcore_rl.train", "--config", config, f"trainer.output_dir={out}",
            "trainer.test_freq=-1", "trainer.val_before_train=false", *overrides]
-    with PhaseMonitor(interval_s=0.2) as mon, mon.phase("run"):
-        p = subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        mon.watch(p.pid)
-        tail = collections.deque(maxlen=60)
-        for line in p.stdout:  # passed on as it comes: a run cut by a time limit still shows how far it got
-            sys.stdout.write(line)
-            tail.append(line)
-        p.wait()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    p = None
+    try:
+        with PhaseMonitor(interval_s=0.2) as mon, mon.phase("run"):
+            p = subprocess.Popen(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            mon.watch(p.pid)
+            tail, start = collections.deque(maxlen=60), []
+            for line in p.stdout:  # passed on as it comes: a run cut by a time limit still shows how far it got
+                sys.stdout.write(line)
+                tail.append(line)
+                if line.startswith("start: "):
+                    start.append(line)
+            p.wait()
+    finally:
+        if p is not None and p.poll() is None:  # cut: the run (and the Ray it started) goes too
+            p.terminate()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+            if os.path.isdir(os.path.join(out, "logs")):
+                shutil.copytree(os.path.join(out, "logs"), logs, dirs_exist_ok=True)
+            if os.path.exists(os.path.join(out, "metrics.jsonl")):  # what a cut run measured
+                shutil.copy(os.path.join(out, "metrics.jsonl"), logs)
     if p.returncode:
         sys.exit("the RL loop failed:\n" + "".join(tail)[-4000:])
-    return records_by_step(os.path.join(out, "metrics.jsonl")), mon.take()
+    return records_by_step(os.path.join(out, "metrics.jsonl")), mon.take(), start_record(start)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run_loop's cleanup
 
 
 def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int, repeats: int = 3) -> float:
@@ -165,7 +195,7 @@ def compare_modes(config: str, overrides: list[str], modes: list[str], out: str)
         args = [*MODE_ARGS[mode], *overrides]
         cfg = C.load_config(config, args)
         run_dir = os.path.join(work, f"{len(rows)}_{mode}")
-        steps, _ = run_loop(config, args, run_dir)
+        steps, _, _ = run_loop(config, args, run_dir)
         shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoints: the next mode needs the disk
         by_step = {k: s for k, s in sorted(steps.items()) if k >= 1 and "reward/mean" in s}
         trained = list(by_step.values())
@@ -205,6 +235,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--logs", help="copy the run's engine logs (logs/engine_<k>_node<n>.log) and metrics.jsonl to "
+                                   "this directory when it ends, however it ends")
     ap.add_argument("--no-engine-alone", action="store_true",
                     help="skip the engine-alone measurement (reported as not measured)")
     ap.add_argument("--modes", help="comma-separated trainer modes (sync,one_step_off,fully_async) to compare "
@@ -222,8 +254,8 @@ def main() -> int:
     cfg = C.load_config(a.config, a.overrides)
     hf = HFModel.from_dict(C.hf_model_dims(cfg.model))
     work = tempfile.mkdtemp(prefix="rl_loop_bench_")
-    t0 = time.perf_counter()
-    steps, run_peaks = run_loop(a.config, a.overrides, os.path.join(work, "run"))
+    t0, launched = time.perf_counter(), time.time()
+    steps, run_peaks, start_phases = run_loop(a.config, a.overrides, os.path.join(work, "run"), a.logs)
     wall = time.perf_counter() - t0
     timed = [s for k, s in sorted(steps.items()) if k >= 2 and "reward/mean" in s]
     med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
@@ -248,9 +280,25 @@ def main() -> int:
             planned = {ph: round(plan.total(ph) / 2**30, 2) for ph in plan.phases}
             planned["components"] = {ph: {c: round(b / 2**30, 3) for c, b in comps.items()}
                                      for ph, comps in plan.phases.items()}
+            planned["micro_batch"] = {"tokens": plan.inputs.micro_tokens, "recompute": plan.inputs.recompute}
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             planned = {"error": str(e)}
-    result = dict(config=a.config, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),
+    first = steps.get(1, {})
+    # start: from the launch to the beginning of step 1 (its end, less its own seconds)
+    to_step1 = round(first["time"] - launched, 1) if "time" in first else None
+    start = round(to_step1 - first["timing/step"], 1) if to_step1 is not None and "timing/step" in first else None
+    vs_plan = {ph: {"measured_gib": memory_max.get(f"memory/gpu_peak_gib_{ph}"), "planned_gib": planned.get(ph),
+                    "over_plan_pct": round(100 * (memory_max[f"memory/gpu_peak_gib_{ph}"] / planned[ph] - 1), 1)
+                    if memory_max.get(f"memory/gpu_peak_gib_{ph}") and isinstance(planned.get(ph), float) else None}
+               for ph in MEMORY_PHASES}
+    # each offload's GB/s per GPU: the bytes the busiest rank moved over the phase's seconds (issue 46's bound:
+    # scripts/gpu/host_bandwidth.py on the same node)
+    offload_gbs = {k: (med(f"memory/moved_gib_{k}") * 2**30 / 1e9 / med(f"timing/{k}"))
+                   if med(f"memory/moved_gib_{k}") and med(f"timing/{k}") else None
+                   for k in ("offload_trainer", "offload_weights")}
+    result = dict(config=a.config, offload_gb_per_s_per_gpu=offload_gbs, overrides=a.overrides, steps=len(timed) + 1, wall_s=round(wall, 1),
+                  start_s=start, to_step1_s=to_step1, step1_s=first.get("timing/step"), memory_vs_plan=vs_plan,
+                  start_phases=start_phases,
                   phases_s={k: med(k) for k in PHASES}, step_s=med("timing/step"),
                   rollout_tokens_per_s=med("perf/rollout_tokens_per_s"), engine_alone_tokens_per_s=alone,
                   response_length=med("response/length"), sync_s=sync_s, sync_bytes=sync_b,
@@ -264,21 +312,26 @@ def main() -> int:
                                      if k >= 1},
                   memory_per_step={k: {**{m: s.get(m) for m in MEMORY}, **at_peak(s)} for k, s in sorted(steps.items())
                                    if k >= 1},
-                  memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}))
+                  memory_max=memory_max, run_peak_gib=run_peaks, planned_gib=planned, first_sync=steps.get(0, {}),
+                  # conversations (rollout.env): turns, tool calls and failures, prefix-cache hits, time in tools
+                  multiturn={k: med(k) for k in MULTITURN if med(k) is not None})
     write_json(result, a.out)
     print(f"{'phase':<28}{'median s':>14}")
     for k, v in result["phases_s"].items():
         print(f"{k:<28}{'not measured' if v is None else round(v, 3):>14}")
-    for k in ("step_s", "rollout_tokens_per_s", "engine_alone_tokens_per_s", "sync_s", "sync_gb_per_s",
+    for k in ("start_s", "to_step1_s", "step1_s", "step_s", "rollout_tokens_per_s", "engine_alone_tokens_per_s", "sync_s", "sync_gb_per_s",
               "update_tflops_per_gpu", "update_pct_of_790", "logp_diff_abs_mean", "token_mult_prob_error",
               "route_agreement"):
         v = result[k]
         print(f"{k:<28}{'not measured' if v is None else round(v, 4):>14}")
+    for k, v in result["multiturn"].items():
+        print(f"{k.split('/', 1)[1]:<28}{round(v, 4):>14}")
     print(f"\n{'memory, max of steps 2..N':<32}{'measured':>14}{'planned GiB':>14}")
     for m in MEMORY:
         v, ph = memory_max[m], m.rsplit("_", 1)[-1]
         plan_v = planned.get(ph, "not planned") if m.startswith("memory/gpu_") else ""
         print(f"{m:<32}{'not measured' if v is None else round(v, 3):>14}{plan_v:>14}")
+    print("offload GB/s per GPU:", {k: v and round(v, 1) for k, v in offload_gbs.items()})
     print("whole run (sampled here):", {k: round(v, 2) for k, v in run_peaks.items()} or "not measured")
     return 0
 

@@ -30,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                    help="cast on export (default: keep the checkpoint's own dtypes)")
     b.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors shard")
+    r = sub.add_parser("random-hf", help="an HF checkpoint of seeded random weights at a config's full size")
+    r.add_argument("--hf-config", required=True, help="directory with the config.json")
+    r.add_argument("--out", required=True, help="output HF directory (must not exist)")
+    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors shard")
     _merge_parser(sub)
     return p
 
@@ -83,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "hf-to-mcore":
             convert.hf_to_mcore(args.hf, args.out, args.tp, args.pp, args.ep, args.etp, args.dtype)
+        elif args.cmd == "random-hf":
+            convert.random_hf(args.hf_config, args.out, args.dtype, args.seed, int(args.max_shard_size * 2**30))
         elif args.cmd == "merge":
             _merge(args)
             args.out = args.target_dir

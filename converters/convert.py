@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from converters.hf_io import CheckpointError, HFCheckpoint, atomic_dir, copy_side_files
 from converters.mappings import mapping_for
-from converters.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, write_torch_dist
+from converters.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, expected_hf_shapes, write_torch_dist
 from converters.planned_writer import Planned, PlannedWriter
 from mcore_rl.model_checks import unread_keys_warning
 from mcore_rl.models.config import HFModel, validate_layout
@@ -49,7 +49,30 @@ def plan_hf_import(hf: HFModel, ckpt: HFCheckpoint) -> list:
     other = sorted(set(extra) - set(mtp))
     if other:
         raise CheckpointError(f"{ckpt.path}: tensors with no mapping rule: {other[:5]}")
+    check_shapes_and_dtypes(hf, ckpt, [h for p in params for h in p.hf])
     return params
+
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+def check_shapes_and_dtypes(hf: HFModel, ckpt: HFCheckpoint, names) -> None:
+    """Every tensor the model reads has the shape its config.json implies and a floating dtype
+    (FP8 only with its block scales), checked from the shard headers before anything is written:
+    a transposed or reshaped tensor would otherwise be written under the planned metadata and
+    fail only when read. The first misfit in the model's order is named."""
+    expected = expected_hf_shapes(hf)
+    for name in names:
+        got, want = tuple(ckpt.meta[name]["shape"]), expected.get(name)
+        dtype = ckpt.meta[name]["dtype"]
+        if want is not None and got != want:
+            raise CheckpointError(f"{ckpt.path}: tensor {name} has shape {list(got)}, config.json implies "
+                                  f"{list(want)}; nothing written")
+        fp8 = dtype in FP8_DTYPES and name + "_scale_inv" in ckpt.meta
+        if dtype not in FLOAT_DTYPES and not fp8:
+            why = "FP8 without its _scale_inv block scales" if dtype in FP8_DTYPES else "not a floating dtype"
+            raise CheckpointError(f"{ckpt.path}: tensor {name} has dtype {dtype} ({why}); nothing written")
 
 
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
@@ -146,6 +169,41 @@ def mcore_to_hf(ckpt_dir: str, out: str, hf_config: str | None = None, dtype: st
         _write_config(hf, tmp, cast)
         if check is not None:
             check(tmp)
+    return out
+
+
+def random_hf(hf_config: str, out: str, dtype: str = "bf16", seed: int = 0,
+              max_shard_bytes: int = 5 * 2**30) -> str:
+    """An HF checkpoint of random weights for `hf_config`'s config.json, at its full size, written a
+    tensor at a time (host memory: one shard): a start from an HF checkpoint, measured without
+    downloading one. Matrices are N(0, initializer_range), norms ones, other vectors zeros (the
+    expert bias, fp32 as transformers keeps it). Each tensor is drawn from a generator seeded by
+    `seed` and its name: the same files whatever the order or sharding."""
+    import zlib
+
+    from converters.hf_io import ShardedWriter
+    from mcore_rl.memory.layout import inventory
+
+    hf = _checked_model(hf_config)
+    cast, std = DTYPES[dtype], float(hf.get("initializer_range", 0.02))
+    weights = inventory(hf)
+    total = sum(math.prod(shape) for w in weights for _, shape in w.hf)
+    with atomic_dir(out) as tmp, _bar(total, "random hf", unit=" params") as bar:
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for w in weights:
+            for name, shape in w.hf:
+                if w.split == "buffer":
+                    t = torch.zeros(shape, dtype=torch.float32)
+                elif len(shape) == 1:
+                    t = (torch.ones if "norm" in name else torch.zeros)(shape, dtype=cast)
+                else:
+                    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                    t = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g).to(cast)
+                writer.add(name, t)
+                bar.update(t.numel())
+        writer.close()
+        copy_side_files(hf_config, tmp)
+        _write_config(hf, tmp, cast)
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 import torch
 from safetensors.torch import save_file
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.cli_errors import BadInput, read_json_object
 
 INDEX = "model.safetensors.index.json"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -60,8 +60,9 @@ class HFCheckpoint:
         self.path = path
         index = os.path.join(path, INDEX)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index}: no \"weight_map\" of tensor name -> shard file")
         else:
             single = os.path.join(path, "model.safetensors")
             if not os.path.exists(single):

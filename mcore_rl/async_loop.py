@@ -166,6 +166,11 @@ class OneStepOff:
         self._wait_idle()
         return self.engine.generate(prompts, params)
 
+    def generate_requests(self, requests):
+        """A round of multi-turn validation, once the engines are between batches."""
+        self._wait_idle()
+        return self.engine.generate_requests(requests)
+
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -204,7 +209,9 @@ class FullyAsync:
                  start: int):
         from mcore_rl import ppo
         from mcore_rl.dynamic_sampling import expert_layout, refill_order, round_size
+        from mcore_rl.rollout import multiturn
         from mcore_rl.rollout.buffer import RolloutWorker
+        from mcore_rl.rollout.multiturn import is_multiturn
 
         t = cfg.trainer
         self.cfg, self.engine, self._sync, self.source = cfg, engine, sync, source
@@ -239,9 +246,17 @@ class FullyAsync:
         # the engines' decode batch (SGLang's max_running_requests); the CPU engine takes any unless it is set
         per_engine = cfg.rollout.max_running_requests if cfg.cluster.device == "cpu" else C.max_running_requests(cfg)
         capacity = per_engine and per_engine * getattr(engine, "engines", 1)
-        self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
-                                    cfg.rollout.max_response_len, t.partial_rollout_tokens, may_start, start,
-                                    self.clocks.engine, self.clocks.trainer_waits, max_live=capacity)
+        self.multiturn = is_multiturn(cfg)
+        if self.multiturn:  # conversations (rollout.env / generate_fn) instead of single responses
+            self.worker = multiturn.ConversationWorker(
+                engine, lambda i: source.prompts[i], prompt_stream(), params,
+                multiturn.MultiTurnSettings.of(cfg, t.partial_rollout_tokens), multiturn.conversation_fn(cfg),
+                source.tokenizer, multiturn.env_factory(cfg), may_start, start, self.clocks.engine,
+                self.clocks.trainer_waits, max_live=capacity)
+        else:
+            self.worker = RolloutWorker(engine, lambda i: source.prompts[i], prompt_stream(), params,
+                                        cfg.rollout.max_response_len, t.partial_rollout_tokens, may_start, start,
+                                        self.clocks.engine, self.clocks.trainer_waits, max_live=capacity)
 
     def step_batch(self, step: int):
         from mcore_rl.dynamic_sampling import sample_step_batch, scored
@@ -250,6 +265,7 @@ class FullyAsync:
         self.next_step += 1
         slot_of = {i: slot for slot, i in enumerate(self.step_order(own))}
         regenerated = dropped = 0
+        taken = []  # the step's conversations, for multiturn/* metrics
 
         def generate(prompts: list[int], seed: int):  # a round's groups from the buffer (the worker seeds them)
             nonlocal regenerated, dropped
@@ -268,12 +284,22 @@ class FullyAsync:
             samples = [s for k in keys for s in groups[k]]
             batch = samples_batch(self.source, samples, self.experts,
                                   getattr(self.engine, "label", "the rollout engine"))
-            return scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
+            if not self.multiturn:
+                return scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
+            from mcore_rl.rollout.multiturn import scores
+
+            taken.extend(samples)
+            return scored(self.cfg, self.source, [s.prompt_index for s in samples], batch,
+                          torch.tensor(scores(self.source, samples)))
 
         batch, idx, score, reward, metrics = sample_step_batch(
             self.cfg, self.engine, self.source, self.prompts_of(own), self.cfg.trainer.seed * 100003 + own, generate)
         metrics.update({"async/regenerated_groups": float(regenerated), "async/dropped_groups": float(dropped),
                         **self.clocks.step_metrics(batch, step)})
+        if taken:
+            from mcore_rl.rollout.multiturn import conversation_metrics
+
+            metrics.update(conversation_metrics(taken))
         return batch, idx, score, reward, metrics
 
     def sync(self, step: int, verify: bool | None = None) -> dict:
@@ -289,6 +315,11 @@ class FullyAsync:
         """Validation, with the worker paused."""
         with self.worker.paused():
             return self.engine.generate(prompts, params)
+
+    def generate_requests(self, requests):
+        """A round of multi-turn validation, with the worker paused."""
+        with self.worker.paused():
+            return self.engine.generate_requests(requests)
 
     def shutdown(self) -> None:
         self.worker.stop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
 import types
 import typing
@@ -71,7 +72,7 @@ class ClusterConfig(Section):
     nnodes: int = Field(1, ge=1)
     n_gpus_per_node: int = Field(8, ge=1)
     colocate: bool = Field(True, description="actor and rollout share all GPUs, taking turns")
-    rollout_gpus: int = Field(0, description="GPUs given to rollout alone when not colocated")
+    rollout_gpus: int = Field(0, ge=0, description="GPUs given to rollout alone when not colocated")
     device: Literal["gpu", "cpu"] = Field("gpu", description="cpu: gloo processes stand in for GPUs (tests)")
     host_memory_gb: float | None = Field(None, gt=0, description=(
         "RAM of each node, for the host memory plan (mcore_rl.memory.host); null: this machine's MemTotal where its "
@@ -79,6 +80,10 @@ class ClusterConfig(Section):
     placement_timeout_s: float = Field(120.0, gt=0, description=(
         "how long Ray may take to place the trainer's and engines' bundles; then the run stops naming what it asked "
         "for and what the cluster has (a GPU config on a machine without GPUs would otherwise wait forever)"))
+    jit_cache_dir: str | None = Field("~/.cache/mcore_rl/jit", description=(
+        "on each node, where the engines' first-use compiles are kept across runs (flashinfer, triton, DeepGEMM, "
+        "torch inductor, CUDA's PTX cache: mcore_rl.rollout.jit_cache); `~` is the node's home; a cache variable "
+        "already set in the environment (TRITON_CACHE_DIR, ...) wins; null: each library's own default"))
 
 
 class RolloutConfig(Section):
@@ -89,6 +94,9 @@ class RolloutConfig(Section):
     max_prompt_len: int | None = Field(None, description="defaults to data.max_prompt_length")
     max_response_len: int = Field(1024, ge=1)
     stop_token_ids: Annotated[list[int], OneOrMany] = Field(default_factory=list, description="and the tokenizer's EOS")
+    ignore_eos: bool = Field(False, description=(
+        "nothing ends a response early, neither EOS nor stop_token_ids: each runs to max_response_len "
+        "(benchmarks at a fixed length, random weights)"))
     tp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)
     mem_fraction_static: float = Field(0.7, gt=0, lt=1)
@@ -102,6 +110,11 @@ class RolloutConfig(Section):
     chunked_prefill_size: int = Field(8192, ge=1, description="prefill tokens per forward")
     attention_backend: str | None = Field(None, description="SGLang's; null: its default (CPU: torch_native)")
     seeded: bool = Field(True, description="each completion samples with its own seed: reproducible (pytorch sampler)")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "any further argument of the engine itself, passed through: SGLang's ServerArgs (sglang.Engine) or vLLM's "
+        "EngineArgs (vllm.LLM), e.g. rollout.engine_kwargs.enable_mixed_chunk=true; a key the installed engine does "
+        "not take is refused up front; where the run sets the same key itself (model, layout, memory, what the "
+        "sync assumes) its own value is kept, with a warning naming the key (mcore_rl.rollout.engine_kwargs)"))
     cpu_kv_tokens: int = Field(8192, ge=1, description="an engine's KV cache on CPU (not a fraction of memory there)")
     sync_transport: Literal["auto", "ipc", "broadcast", "disk"] = Field(
         "auto", description="auto: ipc colocated, else broadcast")
@@ -125,6 +138,23 @@ class RolloutConfig(Section):
     weight_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
         "fp8: the engine's linear weights are DeepSeek-V3's block FP8 (e4m3, a scale per 128 x 128 block), quantized "
         "in each sync; training stays in model.dtype. Turns token TIS on by default (ppo.correction_settings). SGLang"))
+    env: str | None = Field(None, description=(
+        "multi-turn rollouts: package.module:Class of the environment, built per conversation (async reset(sample), "
+        "step(model_turn) -> (observation, reward, done); mcore_rl/rollout/multiturn.py, README 'Multi-turn rollouts')"))
+    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of rollout.env's class")
+    generate_fn: str | None = Field(None, description=(
+        "package.module:function, an async per-sample rollout replacing the environment loop (slime's custom "
+        "generate): fn(ctx: TurnContext, conv: Conversation)"))
+    max_turns: int = Field(4, ge=1, description="model turns of a conversation at most")
+    max_turn_tokens: int | None = Field(None, ge=1, description=(
+        "tokens of one model turn at most; null: what is left of max_response_len, which bounds the whole "
+        "conversation's response (model and environment tokens)"))
+    tool_timeout_s: float = Field(30.0, gt=0, description=(
+        "an environment call (reset, step) taking longer ends its conversation with tool_failure_reward"))
+    max_observation_tokens: int = Field(1024, ge=1, description=(
+        "an observation longer than this ends its conversation with tool_failure_reward"))
+    tool_failure_reward: float = Field(0.0, description=(
+        "the score of a conversation whose tool raised, timed out or flooded (multiturn/tool_failures_*)"))
     fp8_kernels: Literal["triton", "deep_gemm", "deep_gemm_moe"] = Field("triton", description=(
         "weight_dtype=fp8 on GPUs: the engine's block-FP8 GEMMs. triton: SGLang's triton kernels, dense and fused MoE. "
         "deep_gemm: the dense GEMMs on DeepGEMM's JIT kernels (Hopper; sgl-deep-gemm installed), the fused MoE on "
@@ -144,10 +174,11 @@ class MemoryConfig(Section):
     offload_ref: bool = Field(True, description="the frozen reference policy stays on the host between forwards (GPU)")
     grad_fp32: bool = Field(True, description="grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)")
     recompute_activations: bool = Field(False, description="shorthand for recompute: full")
-    recompute: Literal["none", "full", "selective"] = Field("none", description=(
+    recompute: Literal["none", "full", "selective", "auto"] = Field("none", description=(
         "activation recompute (megatron's; the planner counts it). full: keep each recomputed layer's input only "
         "(recompute_layers: the first N of each pipeline stage; null: all). selective: rerun recompute_modules "
-        "in backward (moe: the MoE layers' router, dispatch and experts; mlp: dense MLPs)"))
+        "in backward (moe: the MoE layers' router, dispatch and experts; mlp: dense MLPs). auto: the memory plan "
+        "picks the cheapest of none, selective, full that fits (none without a plan, on CPU)"))
     recompute_layers: int | None = Field(None, ge=1)
     recompute_modules: Annotated[list[Literal["moe", "mlp"]], OneOrMany] = Field(default_factory=lambda: ["moe"])
     optimizer_offload_fraction: float = Field(0.0, ge=0, le=1, description=(
@@ -159,7 +190,7 @@ class MemoryConfig(Section):
     expandable_segments: bool = Field(True, description=(
         "the trainer's CUDA allocator maps pages into growing segments: what it reserves follows what it "
         "allocates across the offload/onload cycles (mcore_rl.memory.allocator); GPU only"))
-    cuda_graph_gb: float | None = Field(None, description="null: estimate from rollout.cuda_graph_max_bs")
+    cuda_graph_gb: float | None = Field(None, ge=0, description="null: estimate from rollout.cuda_graph_max_bs")
     host_trainer_process_gb: float | None = Field(None, ge=0, description=(
         "host memory of each process besides its states (mcore_rl.memory.host); null: the planner's estimates, 3 GiB "
         "per trainer rank and 4 GiB per engine rank (with its tokenizer/detokenizer)"))
@@ -168,7 +199,7 @@ class MemoryConfig(Section):
 
 class KLControlConfig(Section):
     type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
+    kl_coef: float = Field(0.001, ge=0)
     target_kl: float = Field(0.1, gt=0)
     horizon: int = Field(10000, gt=0)
 
@@ -216,8 +247,8 @@ class PolicyLossConfig(Section):
 class ActorConfig(Section):
     lr: float = Field(1e-6, gt=0)
     lr_warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0: none")
     clip_ratio_low: float = Field(0.2, ge=0, lt=1)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound for negative advantages")
@@ -225,19 +256,22 @@ class ActorConfig(Section):
     loss_scale_factor: float | None = Field(None, gt=0, description=(
         "seq-mean-token-sum-norm's divisor; null: rollout.max_response_len"))
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus in the policy loss")
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: KLType = "low_var_kl"
     ppo_epochs: int = Field(1, ge=1)
     ppo_mini_batch_size: int = Field(256, ge=1, description="prompts per optimizer step (times rollout.n samples)")
     micro_batch_size: int = Field(4, ge=1, description="samples per GPU per forward, when not use_dynamic_bsz")
     use_dynamic_bsz: bool = Field(False, description="pack micro-batches up to ppo_max_token_len_per_gpu tokens")
-    ppo_max_token_len_per_gpu: int = Field(16384, ge=1)
+    ppo_max_token_len_per_gpu: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(16384, description=(
+        "tokens per micro-batch with use_dynamic_bsz. auto: the memory plan picks the largest that fits, up to "
+        "16384 (with memory.recompute: auto, under the cheapest recompute that fits at least 4096; "
+        "16384 without a plan, on CPU); a set budget that cannot fit is refused, naming the largest that would"))
     tis_imp_ratio_cap: float | None = Field(None, gt=0, description=(
         "token-level TIS cap, verl's older key: algorithm.rollout_correction with rollout_is: token"))
     use_distributed_optimizer: bool = Field(True, description="shard fp32 main params and Adam moments over DP")
-    router_bias_update_rate: float = Field(0.0, description=(
+    router_bias_update_rate: float = Field(0.0, ge=0, description=(
         "aux-loss-free balancing (DeepSeek-V3): expert-bias step per update; 0 keeps routing as loaded"))
     routing_replay: bool = Field(False, description=(
         "R3, rollout routing replay: the policy's routers take the experts the engine routed each token to (old "
@@ -257,10 +291,10 @@ class ActorConfig(Section):
 class CriticConfig(Section):
     enabled: bool = False
     hf_path: str | None = Field(None, description="defaults to model.hf_path")
-    lr: float = 1e-5
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    cliprange_value: float = 0.5
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0: none")
+    cliprange_value: float = Field(0.5, gt=0)
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int = Field(4, ge=1, description="also the micro-batch of `values`")
     ppo_mini_batch_size: int | None = Field(None, ge=1, description=(
@@ -278,7 +312,7 @@ class DataConfig(Section):
     train_batch_size: int = Field(1024, ge=1, description="prompts per step")
     gen_batch_size: int | None = Field(None, ge=1, description=(
         "prompts per generation round of dynamic sampling; null: train_batch_size"))
-    val_batch_size: int | None = Field(None, description="null: the whole validation set at once")
+    val_batch_size: int | None = Field(None, ge=1, description="null: the whole validation set at once")
     shuffle: bool = True
     task: str | None = Field(None, description="an embedded generated task (mcore_rl.data.tasks) instead of files")
     task_train_size: int = Field(4096, ge=1)
@@ -290,8 +324,8 @@ class OverlongBufferConfig(Section):
     than rollout.max_response_len - len loses up to penalty_factor of reward, linearly."""
 
     enable: bool = False
-    len: int = 0
-    penalty_factor: float = 1.0
+    len: int = Field(0, ge=0)
+    penalty_factor: float = Field(1.0, ge=0)
 
 
 class RewardConfig(Section):
@@ -304,9 +338,9 @@ class TrainerConfig(Section):
     output_dir: str = "outputs"
     total_epochs: int = Field(1, ge=1)
     total_training_steps: int | None = Field(None, ge=1, description="overrides epochs * steps per epoch")
-    save_freq: int = Field(-1, description="steps; -1 never")
+    save_freq: int = Field(-1, ge=-1, description="steps; -1 or 0: never")
     save_last: bool = Field(True, description="the last step saves too, whatever save_freq says")
-    test_freq: int = -1
+    test_freq: int = Field(-1, ge=-1, description="validation every N steps (and at the last); -1 or 0: only the last")
     val_before_train: bool = True
     resume: Literal["auto", "disable"] = Field("auto", description="disable: refused where output_dir holds a run")
     max_checkpoints: int | None = Field(None, ge=1, description="keep the newest N complete checkpoints; null: all")
@@ -332,7 +366,7 @@ class TrainerConfig(Section):
     logger: Annotated[list[Logger], OneOrMany] = Field(default_factory=lambda: ["console", "jsonl"])
     console: Literal["short", "full"] = Field("short", description=(
         "short: one line a step (step i/N, reward, validation reward, seconds, ETA); full: every metric"))
-    seed: int = 1
+    seed: int = Field(1, ge=0)
 
 
 class Config(Section):
@@ -361,6 +395,9 @@ def _type_name(tp) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in args)
+    if origin is Annotated:  # a bounded arm of a union (int >= 1 or 'auto')
+        bounds = " ".join(filter(None, (_range(m) for m in args[1:] if hasattr(m, "metadata"))))
+        return " ".join(filter(None, (_type_name(args[0]), bounds)))
     if origin is not None:
         return str(tp).replace("typing.", "")
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
@@ -398,6 +435,8 @@ def _message(error: dict) -> str:
         prefix = f"{path}." if path else ""
         key = prefix + str(error["loc"][-1])
         return f"unknown key {key!r}" + _suggest(key, [prefix + n for n in tp.model_fields])
+    if error["type"].startswith(("greater_than", "less_than")) and not _range(field):  # a bounded union arm's
+        return f"{path}: expected {_type_name(field.annotation)}, got {type(value).__name__} {value!r}"
     if error["type"].startswith(("greater_than", "less_than")):
         nullable = type(None) in typing.get_args(field.annotation)
         return f"{path} must be {_range(field)}{' or null' if nullable else ''}, got {value}"
@@ -433,10 +472,32 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 errors.append(f"override {item!r}: {'.'.join(parts[:i + 1])} is a value, not a section")
                 break
         else:
-            node[parts[-1]] = yaml_load(raw) if raw.strip() else ""
+            try:
+                node[parts[-1]] = yaml_load(raw) if raw.strip() else ""
+            except yaml.YAMLError as e:
+                errors.append(f"override {item!r}: the value is not valid YAML "
+                              f"({getattr(e, 'problem', None) or type(e).__name__})")
     if errors:
         raise ConfigError(errors)
     return data
+
+
+def shipped_configs_dir() -> str:
+    """The configs shipped with the package (configs/ of a checkout, package data when installed)."""
+    import importlib.resources
+
+    return str(importlib.resources.files("mcore_rl") / "configs")
+
+
+def resolve_config_path(path: str) -> str:
+    """A bare NAME.yaml that is not a file here names a shipped config (configs/NAME.yaml)."""
+    if os.path.exists(path) or os.path.dirname(path):
+        return path
+    shipped = os.path.join(shipped_configs_dir(), path)
+    if not os.path.isfile(shipped):
+        names = sorted(n for n in os.listdir(shipped_configs_dir()) if n.endswith(".yaml"))
+        raise ConfigError(f"{path}: no such file, nor a shipped config ({', '.join(names)})")
+    return shipped
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None, *,
@@ -444,7 +505,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None, *,
                 available_gpus: int | None = None, validate: bool = True) -> Config:
     """Read YAML (optional), apply overrides, build and (by default) validate the config."""
     try:
-        data = read_yaml_mapping(path) if path else {}
+        data = read_yaml_mapping(resolve_config_path(path)) if path else {}
     except BadInput as e:
         raise ConfigError(str(e)) from None
     cfg = config_from_dict(apply_overrides(data, overrides or []))
@@ -499,7 +560,7 @@ if __name__ == "__main__":  # as a script: the package's module, whose sections 
 
 # the checks against the cluster and the model (mcore_rl.config_checks), which take the sections above:
 # looked up there on first use, so either module may be imported first
-CHECKS = ("actor_gpus", "hf_model_dims", "max_running_requests", "recompute_choice", "require_model_dirs",
+CHECKS = ("actor_gpus", "hf_model_dims", "inert_options", "max_running_requests", "recompute_choice", "require_model_dirs",
           "returns_routes", "rollout_gpus", "transport_for", "validate_config")
 
 

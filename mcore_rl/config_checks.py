@@ -45,7 +45,7 @@ def recompute_choice(memory) -> tuple[str, int | None, tuple[str, ...]]:
     """(mode, layers, modules) of a MemoryConfig or its dict, recompute_activations read as full."""
     get = memory.get if isinstance(memory, dict) else functools.partial(getattr, memory)
     mode = get("recompute")
-    if mode == "none" and get("recompute_activations"):
+    if mode in ("none", "auto") and get("recompute_activations"):
         mode = "full"
     return mode, get("recompute_layers"), tuple(get("recompute_modules") or ())
 
@@ -143,6 +143,9 @@ def _check_layout(cfg: Config, errors: list[str], available_gpus: int | None) ->
                       "the last update before a sync trains on samples that old")
     if r.engine == "embedded" and not c.colocate:
         errors.append("rollout.engine 'embedded' samples on the trainer's own shards: it needs cluster.colocate: true")
+    if r.engine == "embedded" and r.engine_kwargs:
+        errors.append(f"rollout.engine_kwargs ({', '.join(r.engine_kwargs)}) are arguments of an SGLang or vLLM engine; "
+                      "rollout.engine 'embedded' takes none")
     if r.engine != "embedded" and r.sync_transport == "ipc" and not c.colocate:
         errors.append("rollout.sync_transport 'ipc' needs cluster.colocate: true (use 'broadcast' or 'disk')")
     per = c.n_gpus_per_node
@@ -284,9 +287,11 @@ def _check_algorithm(cfg: Config, errors: list[str]) -> None:
     seq_len = d.max_prompt_length + r.max_response_len
     for section, budget in (("actor", a.ppo_max_token_len_per_gpu),
                             ("critic", cfg.critic.ppo_max_token_len_per_gpu)):
-        if a.use_dynamic_bsz and budget is not None and budget < seq_len:
+        if a.use_dynamic_bsz and budget not in (None, "auto") and budget < seq_len:
             errors.append(f"{section}.ppo_max_token_len_per_gpu = {budget} is below one full "
                           f"sequence (max_prompt_length + max_response_len = {seq_len})")
+    if a.ppo_max_token_len_per_gpu == "auto" and not a.use_dynamic_bsz:
+        errors.append("actor.ppo_max_token_len_per_gpu: auto picks a budget for actor.use_dynamic_bsz: true only")
     _check_routing_replay(cfg, errors)
     if not d.train_files and d.task is None:
         errors.append("data: set data.train_files or data.task")
@@ -321,14 +326,18 @@ def _check_corrections(cfg: Config, errors: list[str]) -> None:
 
 
 def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
-    """FP8 engine weights: SGLang only (the sync quantizes into its layout), MLA models only."""
+    """FP8 engine weights: SGLang only (the sync quantizes into its layout), MLA models only, GPUs only."""
     if cfg.rollout.weight_dtype != "fp8":
         if cfg.rollout.fp8_kernels != "triton":
             errors.append(f"rollout.fp8_kernels={cfg.rollout.fp8_kernels} needs rollout.weight_dtype=fp8")
         return
-    if cfg.rollout.fp8_kernels != "triton" and cfg.cluster.device == "cpu":
-        errors.append(f"rollout.fp8_kernels={cfg.rollout.fp8_kernels} runs on GPUs (Hopper); SGLang's CPU engine "
-                      "has its own FP8 path")
+    if cfg.cluster.device == "cpu" and cfg.rollout.engine == "sglang":
+        # SGLang's CPU engine dies starting a block-FP8 model: say so before anything starts
+        kernels = cfg.rollout.fp8_kernels
+        errors.append(f"rollout.fp8_kernels={kernels} runs on GPUs (Hopper)" if kernels != "triton" else
+                      "rollout.weight_dtype=fp8 needs cluster.device gpu: SGLang's CPU engine does not start "
+                      "with block-FP8 weights")
+        return
     if cfg.rollout.engine != "sglang":
         errors.append(f"rollout.weight_dtype=fp8 needs rollout.engine=sglang, not {cfg.rollout.engine}")
     if hf is not None and not str(hf.get("model_type", "")).startswith("deepseek"):
@@ -386,6 +395,63 @@ def _check_routing_replay(cfg: Config, errors: list[str]) -> None:
             errors.append("actor.routing_replay: the model has no routed experts")
 
 
+# options that act only in some settings: (key, whether it acts, when it does)
+_CONDITIONAL = [
+    *[(f"trainer.{k}", lambda c: c.trainer.mode == "fully_async", "trainer.mode fully_async")
+      for k in ("sync_every", "max_staleness", "stale_groups", "partial_rollout_tokens")],
+    ("trainer.decoupled_loss", lambda c: c.trainer.mode != "sync", "an off-policy trainer.mode"),
+    *[(f"reward.overlong_buffer.{k}", lambda c: c.reward.overlong_buffer.enable, "reward.overlong_buffer.enable")
+      for k in ("len", "penalty_factor")],
+    *[(f"algorithm.filter_groups.{k}", lambda c: c.algorithm.filter_groups.enable, "algorithm.filter_groups.enable")
+      for k in ("metric", "max_num_gen_batches")],
+    ("data.gen_batch_size", lambda c: c.algorithm.filter_groups.enable, "algorithm.filter_groups.enable"),
+    *[(f"actor.{k}", lambda c: c.actor.use_kl_loss, "actor.use_kl_loss") for k in ("kl_loss_coef", "kl_loss_type")],
+    ("algorithm.kl_penalty", lambda c: c.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward"),
+    *[(f"algorithm.kl_ctrl.{k}", lambda c: c.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward")
+      for k in ("type", "kl_coef", "target_kl", "horizon")],
+    ("actor.loss_scale_factor", lambda c: c.actor.loss_agg_mode == "seq-mean-token-sum-norm",
+     "actor.loss_agg_mode seq-mean-token-sum-norm"),
+    *[(f"{s}.ppo_max_token_len_per_gpu", lambda c: c.actor.use_dynamic_bsz, "actor.use_dynamic_bsz")
+      for s in ("actor", "critic")],
+    ("algorithm.rollout_correction.rollout_is_threshold", lambda c: c.algorithm.rollout_correction.rollout_is
+     is not None, "algorithm.rollout_correction.rollout_is"),
+    ("algorithm.rollout_correction.rollout_rs_threshold", lambda c: c.algorithm.rollout_correction.rollout_rs
+     is not None, "algorithm.rollout_correction.rollout_rs"),
+    *[(f"critic.{k}", lambda c: c.critic.enabled, "critic.enabled") for k in
+      ("hf_path", "lr", "weight_decay", "grad_clip", "cliprange_value", "ppo_epochs", "micro_batch_size",
+       "ppo_mini_batch_size")],
+]
+
+
+def _was_set(cfg: Config, key: str) -> bool:
+    """Whether the config file or an override gave `key` (a dotted path), not its default."""
+    *sections, name = key.split(".")
+    node = cfg
+    for part in sections:
+        if part not in node.model_fields_set:
+            return False
+        node = getattr(node, part)
+    return name in node.model_fields_set
+
+
+def inert_options(cfg: Config) -> list[str]:
+    """One warning line per option given that does nothing in this config, naming it and when it acts."""
+    return [f"warning: {key} is set but acts only with {when}; it is ignored here"
+            for key, acts, when in _CONDITIONAL if _was_set(cfg, key) and not acts(cfg)]
+
+
+def _check_multiturn(cfg: Config, errors: list[str]) -> None:
+    r = cfg.rollout
+    for key in ("env", "generate_fn"):
+        spec = getattr(r, key)
+        module, sep, name = (spec or "").partition(":")
+        if spec is not None and not (sep and module and name):
+            errors.append(f"rollout.{key}: {spec!r} must be package.module:name")
+    if (r.env or r.generate_fn) and r.max_turn_tokens is not None and r.max_turn_tokens > r.max_response_len:
+        errors.append(f"rollout.max_turn_tokens = {r.max_turn_tokens} > rollout.max_response_len = "
+                      f"{r.max_response_len} (which bounds the whole conversation)")
+
+
 def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | None] | dict | None = None,
                     available_gpus: int | None = None) -> Config:
     """Cross-check the sections; raises ConfigError listing every problem. Fills derived defaults.
@@ -395,6 +461,8 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     available_gpus: when given and cluster.device is gpu, the cluster must have exactly these.
     """
     errors: list[str] = []  # the sections' own types and ranges were checked as they were built
+    if not cfg.trainer.output_dir.strip():
+        errors.append("trainer.output_dir is empty: name the directory for the run's checkpoints and logs")
     _check_memory_and_device(cfg, errors)
     _check_layout(cfg, errors, available_gpus)
     hf = model_info(cfg.model) if callable(model_info) else model_info
@@ -409,6 +477,7 @@ def validate_config(cfg: Config, *, model_info: Callable[[ModelConfig], dict | N
     _check_corrections(cfg, errors)
     _check_fp8(cfg, errors, hf if sound else None)
     _check_direct_load(cfg, errors, hf if sound else None)
+    _check_multiturn(cfg, errors)
     if errors:
         raise ConfigError(errors)
     if cfg.rollout.max_prompt_len is None:

@@ -7,11 +7,21 @@ short (the default): one line a step that a person can read at a glance,
 and, where stdout is a terminal, a progress bar kept on the last line. full: every metric of every
 log call, the long lines of `MetricsLogger`'s console backend. Either way every metric still goes
 to metrics.jsonl and TensorBoard.
+
+Before the first step, `StartConsole` prints one line per start-up phase with its seconds,
+
+    start: building the trainer's model 12.3 s
+
+and, while a phase runs longer than a few seconds, a line saying what is running (on a terminal,
+kept on the last line and replaced by the phase's line when it ends).
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
+import threading
 import time
 
 BAR_WIDTH = 30
@@ -72,3 +82,67 @@ class StepConsole:
             self.stream.write("\n")
             self.stream.flush()
             self._bar_shown = False
+
+
+START_PREFIX = "start: "
+_START_DONE = re.compile(r"^start: (.+?) (failed after )?(\d+\.\d) s$")
+_START_READY = re.compile(r"^start: ready for step (\d+) after (\d+\.\d) s$")
+STILL_RUNNING_S = 5.0  # a phase still running after this long says so (a compile, a slow load)
+
+
+class StartConsole:
+    """One line per start-up phase, `start: <phase> <seconds> s`, in the order they end; a phase
+    running longer than `still_running_s` first prints `start: <phase> ...` (on a terminal that
+    line is replaced when the phase ends). `done()` ends with the total."""
+
+    def __init__(self, stream=None, still_running_s: float = STILL_RUNNING_S):
+        self.stream = stream or sys.stdout
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.still_running_s = still_running_s
+        self.t0 = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t = time.perf_counter()
+        shown = []
+        timer = threading.Timer(self.still_running_s, lambda: shown.append(self._write(f"{START_PREFIX}{name} ...",
+                                                                                       end="" if self.tty else "\n")))
+        timer.daemon = True
+        timer.start()
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            timer.cancel()
+            seconds = time.perf_counter() - t
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            back = "\r\x1b[K" if self.tty and shown else ""
+            self._write(f"{back}{START_PREFIX}{name} " + (f"failed after {seconds:.1f} s" if failed else f"{seconds:.1f} s"))
+
+    def done(self, what: str = "ready for step 1") -> None:
+        self._write(f"{START_PREFIX}{what} after {time.perf_counter() - self.t0:.1f} s")
+
+    def _write(self, text: str, end: str = "\n") -> bool:
+        with self._lock:
+            self.stream.write(text + end)
+            self.stream.flush()
+        return True
+
+
+def start_record(lines) -> dict:
+    """A run's start-up as its console printed it (StartConsole's lines among any others):
+    {"phases": [[name, seconds], ...] in the order they ended, "failed": the phase that failed or
+    None, "ready_for_step": n, "ready_s": seconds from the first phase to then} (the last two None
+    when the run never got there)."""
+    out = {"phases": [], "failed": None, "ready_for_step": None, "ready_s": None}
+    for line in lines:
+        line = line.rstrip("\n")
+        if m := _START_READY.match(line):
+            out["ready_for_step"], out["ready_s"] = int(m[1]), float(m[2])
+        elif m := _START_DONE.match(line):
+            out["phases"].append([m[1], float(m[3])])
+            out["failed"] = m[1] if m[2] else out["failed"]
+    return out

@@ -33,14 +33,13 @@ def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed
     rule score of each sample, reward the score after reward shaping (what advantages use).
     generate(prompts, seed) -> (batch, idx, score, reward) of one round; default: on `engine`."""
     if generate is None:
-        experts = expert_layout(cfg)  # once: every round's routes have it
-
-        def generate(prompts: list[int], round_seed: int):
-            return _generate(cfg, engine, source, prompts, round_seed, experts)
+        generate = round_generator(cfg, engine, source)
     if cfg.algorithm.filter_groups.enable:
         batch, idx, score, reward, metrics = _filtered(cfg, generate, len(source.prompts), prompt_idx, seed)
     else:
         (batch, idx, score, reward), metrics = generate(prompt_idx, seed), {}
+    if hasattr(generate, "metrics"):  # multi-turn: turns, tool calls and failures, time in tools
+        metrics.update(generate.metrics())
     if cfg.reward.overlong_buffer.enable:
         penalty = reward - score
         metrics.update({"reward/overlong_penalty_mean": penalty.mean().item(),
@@ -74,6 +73,20 @@ def _filtered(cfg: C.Config, generate, num_prompts: int, prompt_idx: list[int], 
             torch.cat([p[2] for p in parts])[rows], torch.cat([p[3] for p in parts])[rows], metrics)
 
 
+def round_generator(cfg: C.Config, engine, source) -> Callable[[list[int], int], tuple]:
+    """generate(prompts, seed) -> (batch, idx, score, reward) of one round on `engine`: single
+    responses, or conversations (rollout.env / rollout.generate_fn, mcore_rl.rollout.multiturn)."""
+    from mcore_rl.rollout.multiturn import MultiTurnRounds, is_multiturn
+
+    experts = expert_layout(cfg)  # once: every round's routes have it
+    if is_multiturn(cfg):
+        return MultiTurnRounds(cfg, engine, source, experts)
+
+    def generate(prompts: list[int], round_seed: int):
+        return _generate(cfg, engine, source, prompts, round_seed, experts)
+    return generate
+
+
 def expert_layout(cfg: C.Config):
     """The layout of the routes the engines return (routing replay), or None when they return none."""
     from mcore_rl.routing import ExpertLayout
@@ -81,9 +94,10 @@ def expert_layout(cfg: C.Config):
     return ExpertLayout.of(C.hf_model_dims(cfg.model)) if C.returns_routes(cfg) else None
 
 
-def scored(cfg: C.Config, source, idx: list[int], batch: dict):
-    """(batch, idx, score, reward) of a generated batch: rule scores, and rewards after shaping."""
-    score = ppo.scores(source, idx, batch)
+def scored(cfg: C.Config, source, idx: list[int], batch: dict, score: torch.Tensor | None = None):
+    """(batch, idx, score, reward) of a generated batch: rule scores (unless given: a conversation's
+    come from its environment), and rewards after shaping."""
+    score = ppo.scores(source, idx, batch) if score is None else score.float()
     return batch, idx, score, score + ppo.reward_shaping(cfg, batch)
 
 

@@ -44,14 +44,50 @@ INERT_KEYS = {
 }
 
 
+# What each family takes for a key its config.json leaves out: transformers' config class for the
+# model_type (which SGLang and vLLM load too), else the engine's own getattr default; the model
+# builder, checks and mappings read every such key through these (HFModel.get, with_defaults), so
+# the trainer and the engines build one model from one file. tests/unit checks every entry against
+# transformers' classes and SGLang's model code.
+_DENSE = dict(rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=1.0, attention_bias=False,
+              tie_word_embeddings=False, initializer_range=0.02)
+FAMILY_DEFAULTS = {
+    "deepseek_v3": dict(_DENSE, n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3,
+                        moe_layer_freq=1, norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                        n_shared_experts=1, q_lora_rank=1536),
+    "deepseek_v2": dict(_DENSE, n_routed_experts=64, first_k_dense_replace=0, moe_layer_freq=1,
+                        norm_topk_prob=False, routed_scaling_factor=1.0, topk_method="greedy", n_shared_experts=2,
+                        q_lora_rank=1536),
+    "qwen3_moe": dict(_DENSE, num_experts=128, num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+    "glm4_moe": dict(_DENSE, rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_routed_experts=128, num_experts_per_tok=8,
+                     first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+                     n_shared_experts=1, use_qk_norm=False),
+    "llama": dict(_DENSE),
+    "qwen2": dict(_DENSE),
+    "qwen3": dict(_DENSE, head_dim=128),
+}
+
+
+# another name for the same key (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)
+ALIASES = {"num_experts": "num_local_experts"}
+
+
+def with_defaults(cfg: dict) -> dict:
+    """`cfg` with its family's defaults where it leaves a key out (an explicit null stays null)."""
+    defaults = FAMILY_DEFAULTS.get(cfg.get("model_type"), {})
+    return {**{k: v for k, v in defaults.items() if ALIASES.get(k) not in cfg}, **cfg}
+
+
 def num_experts(cfg: dict) -> int:
     """Routed experts per MoE layer under the family's own key, as its transformers model reads it
     (a stray key of another family's is ignored there too); 0 for a dense model. Qwen3-MoE hub
     configs say num_experts, transformers 5 writes num_local_experts; DeepSeek and GLM say
     n_routed_experts."""
-    if cfg.get("model_type") == "qwen3_moe":
-        return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    return int(cfg.get("n_routed_experts") or 0)
+    keys = ("num_experts", "num_local_experts") if cfg.get("model_type") == "qwen3_moe" else ("n_routed_experts",)
+    if not any(k in cfg for k in keys):  # the file leaves it out: the family's default, as transformers'
+        cfg = with_defaults(cfg)
+    return int(next((cfg[k] for k in keys if cfg.get(k)), 0))
 
 
 def unknown_type(model_type) -> str | None:
@@ -77,6 +113,7 @@ def hf_config_problems(cfg: dict, *, complete: bool) -> list[str]:
             problems.append(f"{key} must be an integer >= 1, got {value!r}")
     if problems:
         return problems  # the checks below divide by these sizes
+    cfg = with_defaults(cfg)  # as transformers and the engines read what the file leaves out
     heads, hidden, kv = cfg.get("num_attention_heads"), cfg.get("hidden_size"), cfg.get("num_key_value_heads")
     if not mla and heads and hidden and cfg.get("head_dim") is None and hidden % heads:
         problems.append(f"num_attention_heads = {heads} does not divide hidden_size = {hidden} "

@@ -1,7 +1,9 @@
 """`python -m mcore_rl.plan --config CONFIG.yaml [key=value ...]`: the per-GPU and host memory plan.
 
 Prints the table of every phase (works without a GPU: the capacity then comes from
-memory.gpu_memory_gb), then host memory per node against cluster.host_memory_gb. Exit 0 when the
+memory.gpu_memory_gb), then host memory per node against cluster.host_memory_gb. Where the config
+says `auto` (actor.ppo_max_token_len_per_gpu, memory.recompute) the planner picks what fits
+(`memory.planner.pick_micro_batch`) and the table's first note says which. Exit 0 when the
 plan fits, 1 with the refusal (phase or node and shortfall) when it does not, 2 on a config error.
 """
 
@@ -12,10 +14,11 @@ import json
 import sys
 
 from mcore_rl.cli_errors import BAD_INPUT, report
-from mcore_rl.config import ConfigError, hf_model_dims, load_config
+from mcore_rl.config import ConfigError, hf_model_dims, load_config, recompute_choice
 from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
 from mcore_rl.memory.host import HostInputs
-from mcore_rl.memory.planner import Plan, PlanError, PlanInputs, make_plan
+from mcore_rl.memory.planner import (AUTO_BUDGET_MAX, RECOMPUTE_BY_COST, Plan, PlanError, PlanInputs, make_plan,
+                                     pick_micro_batch)
 from mcore_rl.models.config import HFModel
 
 
@@ -29,8 +32,37 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
         where = f" ({cfg.model.hf_path}/config.json does not exist)" if cfg.model.hf_path else ""
         raise ConfigError("model: the planner needs the model's shapes: model.hf_config, or a "
                           f"readable model.hf_path/config.json{where}")
-    inputs = PlanInputs.from_config(cfg, capacity)
-    return make_plan(HFModel.from_dict(dims), inputs, HostInputs.from_config(cfg)), source
+    hf, a = HFModel.from_dict(dims), cfg.actor
+    seq = cfg.data.max_prompt_length + cfg.rollout.max_response_len
+    mode = recompute_choice(cfg.memory)[0]
+    modes = RECOMPUTE_BY_COST if mode == "auto" else (mode,)
+    if a.use_dynamic_bsz:
+        budget = None if a.ppo_max_token_len_per_gpu == "auto" else a.ppo_max_token_len_per_gpu
+        name = "actor.ppo_max_token_len_per_gpu"
+    else:  # whole sequences: micro_batch_size of them
+        budget, name = a.micro_batch_size * seq, None
+    host = HostInputs.from_config(cfg)
+    inputs, line = pick_micro_batch(hf, lambda t, m: PlanInputs.from_config(cfg, capacity, budget=t, recompute=m),
+                                    budget=budget, modes=modes, min_budget=seq, name=name, host=host)
+    plan = make_plan(hf, inputs, host)
+    plan.notes.insert(0, line)
+    return plan, source
+
+
+def apply_choice(cfg, plan: Plan) -> None:
+    """The config runs as planned: its "auto" budget and recompute become the plan's."""
+    if cfg.actor.use_dynamic_bsz:
+        cfg.actor.ppo_max_token_len_per_gpu = plan.inputs.micro_tokens
+    if cfg.memory.recompute == "auto":
+        cfg.memory.recompute = plan.inputs.recompute
+
+
+def settle_without_plan(cfg) -> None:
+    """Without a plan (CPU runs): "auto" is AUTO_BUDGET_MAX tokens and no recompute."""
+    if cfg.actor.ppo_max_token_len_per_gpu == "auto":
+        cfg.actor.ppo_max_token_len_per_gpu = AUTO_BUDGET_MAX
+    if cfg.memory.recompute == "auto":
+        cfg.memory.recompute = "none"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ def rollout(engine, source, idx: list[int], params, experts=None) -> dict:
     """Sample one completion per entry of `idx` (prompt indices, each repeated rollout.n times in a
     row) with the rollout engine, as a batch: tokens [B, P + R] (left-padded prompts, responses
     right-padded to the longest), attention_mask, response_mask (1 up to and including the stop
-    token) and the engine's log-probs of its sampled tokens (rollout_log_probs). experts (an
+    token; a multi-turn completion's 0 on the environment's tokens) and the engine's log-probs of its sampled tokens (rollout_log_probs). experts (an
     mcore_rl.routing.ExpertLayout, when the engine returns routes): also the engine's routes."""
     n = params.n
     firsts = idx[::n]
@@ -45,14 +45,16 @@ def completions_batch(source, idx: list[int], done: list, experts=None, engine_l
     prompts, pmask = pad_prompts([source.prompts[i] for i in idx], tok.pad_token_id or 0)
     R = max(1, max(len(c.token_ids) for c in done))
     resp = torch.full((len(done), R), tok.pad_token_id or 0, dtype=torch.long)
-    resp_mask = torch.zeros(len(done), R)
+    attended = torch.zeros(len(done), R, dtype=torch.long)  # every response token, the environment's too
+    resp_mask = torch.zeros(len(done), R)  # the model's tokens: what the loss, KL and advantages see
     logps = torch.zeros(len(done), R)
     for i, c in enumerate(done):
         k = len(c.token_ids)
         resp[i, :k] = torch.as_tensor(c.token_ids, dtype=torch.long)
-        resp_mask[i, :k] = 1
+        attended[i, :k] = 1
+        resp_mask[i, :k] = 1 if c.loss_mask is None else torch.as_tensor(c.loss_mask, dtype=torch.float32)
         logps[i, :k] = torch.as_tensor(c.log_probs, dtype=torch.float32)
-    batch = {"tokens": torch.cat([prompts, resp], 1), "attention_mask": torch.cat([pmask, resp_mask.long()], 1),
+    batch = {"tokens": torch.cat([prompts, resp], 1), "attention_mask": torch.cat([pmask, attended], 1),
              "response_mask": resp_mask, "rollout_log_probs": logps}
     if experts is not None:
         from mcore_rl.routing import batch_routes
@@ -63,13 +65,15 @@ def completions_batch(source, idx: list[int], done: list, experts=None, engine_l
 
 
 def sampling_params(cfg: C.Config, source, seed: int, validation: bool = False):
-    """The rollout's SamplingParams: EOS of the prompts' tokenizer plus rollout.stop_token_ids stop a response."""
+    """The rollout's SamplingParams: EOS of the prompts' tokenizer plus rollout.stop_token_ids stop a
+    response; with rollout.ignore_eos nothing does (each runs to max_response_len)."""
     from mcore_rl.rollout.base import SamplingParams
 
     r = cfg.rollout
     return SamplingParams(n=r.val_n if validation else r.n, temperature=r.val_temperature if validation else r.temperature,
                           top_p=1.0 if validation else r.top_p, max_new_tokens=r.max_response_len,
-                          stop_token_ids=stop_ids(cfg, source.tokenizer), seed=seed if r.seeded else None)
+                          stop_token_ids=() if r.ignore_eos else stop_ids(cfg, source.tokenizer),
+                          ignore_eos=r.ignore_eos, seed=seed if r.seeded else None)
 
 
 def stop_ids(cfg: C.Config, tokenizer) -> tuple[int, ...]:
@@ -145,7 +149,7 @@ def advantages(cfg: C.Config, batch: dict, score: torch.Tensor, idx: list[int], 
 
     alg, mask = cfg.algorithm, batch["response_mask"]
     token_scores = torch.zeros_like(mask)
-    last = (mask.sum(1) - 1).clamp(min=0).long()
+    last = last_token(mask)
     token_scores[torch.arange(len(mask)), last] = score
     metrics = {}
     rewards = token_scores
@@ -158,6 +162,13 @@ def advantages(cfg: C.Config, batch: dict, score: torch.Tensor, idx: list[int], 
                                  gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
     batch.update(advantages=adv, returns=ret)
     return {**metrics, **data_metrics(batch, score, rewards)}
+
+
+def last_token(mask: torch.Tensor) -> torch.Tensor:
+    """[B] column of each row's last masked-in token (0 for an empty row): where the outcome score
+    goes. A multi-turn mask has gaps (the environment's tokens), so this is not its sum minus one."""
+    cols = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), cols, torch.zeros_like(cols)).max(1).values
 
 
 def _masked_stats(name: str, x: torch.Tensor, mask: torch.Tensor) -> dict:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from mcore_rl import config as C
 from mcore_rl.cli_errors import BadInput
 from mcore_rl.model_checks import unread_keys_warning
+from mcore_rl.rollout import engine_kwargs
+from mcore_rl.run_dir import check_same_model, check_unlocked
 
 
 @dataclass
@@ -28,30 +30,71 @@ class Inputs:
     val: object | None
 
 
-def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: bool = False) -> Inputs:
-    """replay: the run trains on dumped rollouts and reads no prompts."""
+def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: str | None = None) -> Inputs:
+    """replay: the directory of dumped rollouts the run trains on (it reads no prompts)."""
     check_output_dir(cfg.trainer)
+    check_same_model(os.path.abspath(cfg.trainer.output_dir), C.hf_model_dims(cfg.model))
+    if cfg.trainer.rollout_dump_dir:
+        check_dir_to_write(cfg.trainer.rollout_dump_dir, "trainer.rollout_dump_dir")
+    if replay:
+        from mcore_rl.rollout_dump import check_replay
+
+        check_replay(replay, C.hf_model_dims(cfg.model))
+    _check_multiturn_code(cfg)
     tokenizer_here = _check_model_files(cfg, dry_run)
     _warn_unread_hf_keys(cfg.model)
+    engine_kwargs.check_known(cfg.rollout.engine, cfg.rollout.engine_kwargs, cfg.cluster.device)
+    for line in C.inert_options(cfg):
+        print(line, file=sys.stderr, flush=True)
     return Inputs(None, None) if replay else _prompt_sources(cfg, tokenize=tokenizer_here)
 
 
-def check_output_dir(t: C.TrainerConfig) -> None:
-    """trainer.output_dir is a directory or can be made one, and does not hold a run it may not resume."""
-    path = os.path.abspath(t.output_dir)
+def _check_multiturn_code(cfg: C.Config) -> None:
+    """rollout.env is an importable class and rollout.generate_fn an importable async function."""
+    import inspect
+
+    from mcore_rl.rollout.multiturn import load_object
+
+    r = cfg.rollout
+    try:
+        if r.env and not inspect.isclass(env := load_object(r.env, "rollout.env")):
+            raise ValueError(f"rollout.env: {r.env!r} is a {type(env).__name__}, not a class")
+        if r.generate_fn and not inspect.iscoroutinefunction(fn := load_object(r.generate_fn, "rollout.generate_fn")):
+            raise ValueError(f"rollout.generate_fn: {r.generate_fn!r} is not an async function ({type(fn).__name__})")
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+
+
+def check_dir_to_write(where: str, key: str) -> str:
+    """`where` is a directory or can be made one, and can be written; returns its absolute path."""
+    path = os.path.abspath(where)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise BadInput(f"{t.output_dir}: trainer.output_dir is a file, not a directory")
+        raise BadInput(f"{where}: {key} is a file, not a directory")
     parent = path
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise BadInput(f"{t.output_dir}: trainer.output_dir lies under {parent}, which is a file")
+        raise BadInput(f"{where}: {key} lies under {parent}, which is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise BadInput(f"{t.output_dir}: trainer.output_dir cannot be written ({parent} is not writable)")
-    if t.resume == "disable" and parent == path:
+        raise BadInput(f"{where}: {key} cannot be written ({parent} is not writable)")
+    return path
+
+
+def check_output_dir(t: C.TrainerConfig) -> None:
+    """trainer.output_dir is a directory or can be made one, no other run is using it, its
+    checkpoints can be written, and it does not hold a run it may not resume."""
+    path = check_dir_to_write(t.output_dir, "trainer.output_dir")
+    if not os.path.isdir(path):
+        return
+    check_unlocked(path)
+    ckpts = os.path.join(path, "checkpoints")
+    if os.path.isdir(ckpts) and not os.access(ckpts, os.W_OK | os.X_OK):
+        raise BadInput(f"{ckpts}: the run's checkpoint directory is not writable (read-only); make it writable "
+                       "or choose another trainer.output_dir")
+    if t.resume == "disable":
         from mcore_rl import run_checkpoints as run_ckpt
 
-        if run_ckpt.steps(os.path.join(path, "checkpoints")) or os.path.exists(os.path.join(path, "metrics.jsonl")):
+        if run_ckpt.steps(ckpts) or os.path.exists(os.path.join(path, "metrics.jsonl")):
             raise run_ckpt.CheckpointError(f"{path}: trainer.output_dir already holds a run; resume it "
                                            "(trainer.resume=auto) or choose a new trainer.output_dir")
 
@@ -84,6 +127,7 @@ def _warn_unread_hf_keys(m: C.ModelConfig) -> None:
 def _prompt_sources(cfg: C.Config, tokenize: bool) -> Inputs:
     from mcore_rl.data.prompts import load_prompt_sources
     from mcore_rl.data.rows import check_row, read_file_rows
+    from mcore_rl.rewards import require_reward
 
     d = cfg.data
     if tokenize or not d.train_files:
@@ -91,4 +135,5 @@ def _prompt_sources(cfg: C.Config, tokenize: bool) -> Inputs:
     for path in [*d.train_files, *d.val_files]:  # a dry run without the tokenizer: the rows only
         for i, row in enumerate(read_file_rows(path, d.prompt_key)):
             check_row(row, f"{path}: row {i}", d.prompt_key)
+            require_reward(row["data_source"], f"{path}: row {i}")
     return Inputs(None, None)

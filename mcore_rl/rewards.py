@@ -117,11 +117,28 @@ def register_reward(data_source: str, fn: Callable[[str, str], float]) -> None:
     REWARD_FNS[data_source] = fn
 
 
+def reward_fn(data_source) -> Callable[[str, str], float] | None:
+    """The reward of a data_source, None where it has none."""
+    if not isinstance(data_source, str):
+        return None
+    return REWARD_FNS.get(data_source) or (task_score if data_source.startswith(TASK_PREFIX) else None)
+
+
+def no_reward_message(data_source) -> str:
+    return (f"no reward function for data_source {data_source!r}; known: {sorted(REWARD_FNS)} and "
+            f"{TASK_PREFIX}<task>; see mcore_rl.rewards.register_reward")
+
+
+def require_reward(data_source, where: str) -> None:
+    """A training row's data_source must have a reward: checked before the run, not at its first score."""
+    if reward_fn(data_source) is None:
+        from mcore_rl.cli_errors import BadInput
+
+        raise BadInput(f"{where}: {no_reward_message(data_source)}")
+
+
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None) -> float:
-    fn = REWARD_FNS.get(data_source)
-    if fn is None and data_source.startswith(TASK_PREFIX):
-        fn = task_score
+    fn = reward_fn(data_source)
     if fn is None:
-        raise NotImplementedError(f"no reward function for data_source {data_source!r}; known: "
-                                  f"{sorted(REWARD_FNS)} and {TASK_PREFIX}<task>; see register_reward")
+        raise NotImplementedError(no_reward_message(data_source))
     return float(fn(solution_str, ground_truth))

@@ -10,13 +10,14 @@ skipped with a warning naming it, and the run resumes from the newest complete o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import sys
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.cli_errors import BadInput, message
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -25,6 +26,19 @@ TRAINER_STATE = "trainer_state.json"
 
 class CheckpointError(BadInput):
     """A checkpoint or output directory that cannot be used (one line, naming it)."""
+
+
+class SaveFailed(CheckpointError):
+    """A save that could not be written (a full disk, a read-only directory): the checkpoints
+    before it are whole, and the message says how to resume."""
+
+
+def size_text(n: int) -> str:
+    """A byte count in the unit that shows it (a tiny model's checkpoint is not "0.0 GiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _files(root: str) -> dict[str, int]:
@@ -109,19 +123,43 @@ class Checkpointer:
 
     def begin(self, step: int, state: dict) -> None:
         self.finish()
-        os.makedirs(self.root, exist_ok=True)
-        self.check_space()
-        _set_aside(self.tmp(step))
-        os.makedirs(self.tmp(step))
-        self.group.call("save", self.tmp(step), self.background)
+        with self._failing_save(step):
+            os.makedirs(self.root, exist_ok=True)
+            self.check_space()
+            _set_aside(self.tmp(step))
+            os.makedirs(self.tmp(step))
+            self.group.call("save", self.tmp(step), self.background)
         self.pending = (step, state)
         if not self.background:
             self.finish()
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int):
+        """A save that fails (no space, a read-only directory, a rank's writer) is one line naming
+        the step and the cause; its partial files go, the complete checkpoints before it stay."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a Ray error wraps the rank's: its cause is named
+            cause = getattr(e, "cause", None) or e
+            shutil.rmtree(self.tmp(step), ignore_errors=True)
+            first = message(cause).splitlines()[0] if message(cause) else type(cause).__name__
+            newest = latest(self.root, warn=lambda _: None)
+            then = (f"{newest[1]} (step {newest[0]}) is complete: free space or make {self.root} writable, then "
+                    "the same command resumes from it" if newest else
+                    f"no checkpoint was saved before: free space or make {self.root} writable and run again")
+            raise SaveFailed(f"{self.root}: saving step {step} failed ({type(cause).__name__}: {first}); "
+                             f"{then}") from None
 
     def finish(self) -> str | None:
         if self.pending is None:
             return None
         (step, state), self.pending = self.pending, None
+        with self._failing_save(step):
+            return self._complete(step, state)
+
+    def _complete(self, step: int, state: dict) -> str:
         tmp, final = self.tmp(step), os.path.join(self.root, f"step_{step}")
         self.group.call("finish_save")
         shutil.copytree(self.hf_dir, os.path.join(tmp, "model", "hf"),
@@ -149,9 +187,9 @@ class Checkpointer:
             need = sum(json.load(f)["files"].values())
         free = shutil.disk_usage(self.root).free
         if free < need:
-            raise CheckpointError(f"{self.root}: a checkpoint needs about {need / 2**30:.1f} GiB and "
-                                  f"{free / 2**30:.1f} GiB are free; free space, lower trainer.max_checkpoints "
-                                  "or move trainer.output_dir")
+            raise SaveFailed(f"{self.root}: a checkpoint needs about {size_text(need)} and {size_text(free)} "
+                             f"are free; free space, lower trainer.max_checkpoints or move trainer.output_dir, "
+                             f"then the same command resumes from {last[1]}")
 
     def rotate(self) -> None:
         if self.keep is None:

@@ -23,20 +23,75 @@ from mcore_rl import config as C
 from mcore_rl import run_checkpoints as run_ckpt
 from mcore_rl.run_checkpoints import Checkpointer
 from mcore_rl.parallel import rendezvous_on
+from mcore_rl.run_dir import RunLock
+
+# where the run is, for the line a stop by signal prints (set by train and its loop)
+PROGRESS: dict = {"step": None, "done": None, "total": None, "ckpt_root": None, "signal": None}
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT: the run stops at once, its engines and workers shut down on the way out.
+    A BaseException, as KeyboardInterrupt, so that no `except Exception` takes it for an error."""
+
+
+def _stop(signum, frame) -> None:
+    import signal
+
+    if PROGRESS["signal"] is not None:  # a second signal while shutting down: out now
+        os._exit(128 + signum)
+    PROGRESS["signal"] = signal.Signals(signum).name
+    raise Stopped(PROGRESS["signal"])
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise Stopped in the main thread. Installed once Ray has started: its
+    core worker's failure handler, chained before Python's, printed a native stack dump first."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop)
+
+
+def resume_hint() -> str:
+    """How a run that stopped now goes on: from its newest complete checkpoint, if any."""
+    newest = run_ckpt.latest(PROGRESS["ckpt_root"], warn=lambda _: None) if PROGRESS["ckpt_root"] else None
+    return (f"the newest complete checkpoint is {newest[1]} (step {newest[0]}): the same command resumes from it"
+            if newest else "no checkpoint was saved yet: the same command starts the run again")
+
+
+def stopped_line() -> str:
+    """Where a stopped run stopped, and how to go on."""
+    step, done, total = PROGRESS["step"], PROGRESS["done"], PROGRESS["total"]
+    where = (f"during step {step} of {total}" if step else f"after step {done} of {total}" if done
+             else "before its first step")
+    return f"error: stopped by {PROGRESS['signal']} {where}; {resume_hint()}"
 
 def prepare_model(cfg: C.Config, run_dir: str) -> str:
-    """An HF directory for the policy: the given one, or the embedded tiny config, initialised once."""
+    """An HF directory for the policy: the given one, or the embedded config's, written once. The
+    latter holds the config only: the trainer starts from megatron's seeded init, built on its
+    device, and the engines build theirs without reading weights (a dummy load) and get the
+    trainer's from the first sync. (A whole random model built on the host, as transformers'
+    from_config does, took 2.5 minutes and 63 GB at Moonlight's size, for weights no one read.)"""
     if cfg.model.hf_path:
         return cfg.model.hf_path
     hf_dir = os.path.join(run_dir, "init_hf")
     if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        import shutil
+
         import transformers
 
-        torch.manual_seed(cfg.trainer.seed)
         hcfg = transformers.AutoConfig.for_model(**cfg.model.hf_config)
-        model = transformers.AutoModelForCausalLM.from_config(hcfg)
-        transformers.utils.logging.disable_progress_bar()  # a one-shard model: a bar says nothing
-        model.save_pretrained(hf_dir + ".tmp")
+        # what save_pretrained of the model would record: the engines pick their model class by it
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        from mcore_rl.rollout.model_files import DTYPE_NAMES
+
+        hcfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hcfg.model_type]]
+        hcfg.dtype = getattr(torch, DTYPE_NAMES[cfg.model.dtype])  # the weights' dtype, as the run has them
+        shutil.rmtree(hf_dir + ".tmp", ignore_errors=True)
+        hcfg.save_pretrained(hf_dir + ".tmp")
         os.replace(hf_dir + ".tmp", hf_dir)
     return hf_dir
 
@@ -54,7 +109,8 @@ def trainer_placement(cfg: C.Config):
 class ActorGroup:
     """N Megatron actors on a Ray placement group; calls fan out and the results are gathered."""
 
-    def __init__(self, cfg: C.Config, hf_dir: str, init: dict | None = None, pg=None):
+    def __init__(self, cfg: C.Config, hf_dir: str, init: dict | None = None, pg=None, start=None):
+        """start: a console.StartConsole that times the build and the load (as start-up phases)."""
         import ray
 
         from mcore_rl.actor import MegatronActor
@@ -72,12 +128,19 @@ class ActorGroup:
         share = 1 if cfg.rollout.engine == "embedded" or not cfg.cluster.colocate else TRAINER_GPU_SHARE
         remote = ray.remote(num_cpus=1, num_gpus=0 if cpu else share)(MegatronActor)
         d = C.to_dict(cfg)
-        self.actors = [remote.options(scheduling_strategy=on(i)).remote(i, n, port, hf_dir, d, addr, init)
-                       for i in range(n)]
         self.ray = ray
-        nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-                         for a in self.actors])
+        phase = start.phase if start is not None else lambda name: contextlib.nullcontext()
+        with phase(f"building the trainer's model ({n} ranks)"):
+            self.actors = [remote.options(scheduling_strategy=on(i)).remote(i, n, port, hf_dir, d, addr,
+                                                                             build_only=True)
+                           for i in range(n)]
+            nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                             for a in self.actors])
         print(f"{n} actor ranks on {len(set(nodes))} node(s); rendezvous {addr}:{port}", flush=True)
+        loads = "loading the initial weights and making the optimizer" if (init or {}).get("policy") \
+            else "making the optimizer"
+        with phase(loads):
+            self.call("load_initial", init)
 
     def call(self, method: str, *args):
         """Run `method` on every rank; return the non-None results in rank order."""
@@ -131,6 +194,8 @@ class Phases:
         else:
             out = self.colo.to_rollout(after_offload=save, before_sync=enter_sync, step=step)
             out.update({f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"})
+            # the most any one GPU's trainer moved to the host in each offload (its GB/s: over timing/<same>)
+            out.update({f"memory/moved_gib_{k}": max(v) / 2**30 for k, v in self.colo.moved.items() if v})
         self.mon.enter("rollout")
         return out
 
@@ -168,7 +233,7 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, source, prompt_idx,
                                                                cfg.trainer.seed * 100003 + step)
     if cfg.trainer.rollout_dump_dir:
-        dump_rollout(cfg.trainer.rollout_dump_dir, step, batch, idx, score, reward)
+        dump_rollout(cfg.trainer.rollout_dump_dir, step, batch, idx, score, reward, C.hf_model_dims(cfg.model))
     times["timing/rollout"] = time.perf_counter() - t0
     t = time.perf_counter()
     phases.to_train()
@@ -200,6 +265,7 @@ def _mean(stats: list[dict]) -> dict:
 
 def validate(cfg, engine, source) -> dict:
     from mcore_rl import ppo
+    from mcore_rl.rollout.multiturn import validation_scores
 
     idx = list(range(len(source.prompts)))
     size = cfg.data.val_batch_size or len(idx)
@@ -207,14 +273,15 @@ def validate(cfg, engine, source) -> dict:
     scores = []
     for s in range(0, len(idx), size):
         chunk = [i for i in idx[s:s + size] for _ in range(n)]
-        batch = ppo.rollout(engine, source, chunk, ppo.sampling_params(cfg, source, 0, validation=True))
-        scores.append(ppo.scores(source, chunk, batch))
+        params = ppo.sampling_params(cfg, source, 0, validation=True)
+        scores.append(validation_scores(cfg, engine, source, chunk, params))
     return {"val/reward": torch.cat(scores).mean().item()}
 
 
-def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
+def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str, start=None) -> dict:
     """torch_dist copies of the HF weights the policy (and a critic from another model) start
-    from, converted once per run; none for an embedded config (megatron's seeded init)."""
+    from, converted once per run; none for an embedded config (megatron's seeded init). start: a
+    console.StartConsole that shows each conversion as a start-up phase."""
     if not cfg.model.hf_path:
         return {}
     from converters.convert import hf_to_mcore
@@ -222,7 +289,8 @@ def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
     def converted(src: str, name: str) -> str:
         out = os.path.join(run_dir, "init_mcore", name)
         if not os.path.exists(os.path.join(out, "metadata.json")):
-            hf_to_mcore(src, out, dtype=cfg.model.dtype)
+            with start.phase(f"converting {src} to torch_dist") if start else contextlib.nullcontext():
+                hf_to_mcore(src, out, dtype=cfg.model.dtype)
         return out
 
     init = {"policy": converted(hf_dir, "policy")}
@@ -234,12 +302,15 @@ def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str) -> dict:
 
 def memory_plan(cfg: C.Config):
     """The memory plan of a GPU run (None on CPU), made before anything takes GPU memory, so that
-    its capacity is the GPUs' free memory; a plan that cannot fit raises PlanError here."""
-    if cfg.cluster.device != "gpu":
-        return None
-    from mcore_rl.plan import plan_for_config
+    its capacity is the GPUs' free memory; a plan that cannot fit raises PlanError here. The
+    config's "auto" budget and recompute become the plan's picks (on CPU, their defaults)."""
+    from mcore_rl.plan import apply_choice, plan_for_config, settle_without_plan
 
+    if cfg.cluster.device != "gpu":
+        settle_without_plan(cfg)
+        return None
     plan, source = plan_for_config(cfg)
+    apply_choice(cfg, plan)  # the micro-batch budget and recompute the plan picked, where the config says auto
     print(f"memory plan per GPU (capacity from {source}):\n{plan.table()}", flush=True)
     return plan
 
@@ -270,30 +341,47 @@ def _start_ray(cfg: C.Config) -> None:
                  include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
 
 
-def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
+def train(cfg: C.Config, inputs=None, replay: str | None = None, stop_on_signal: bool = False) -> dict:
     """The RL loop. inputs: preflight.check_inputs(cfg), where the caller has made it; replay: a
-    rollout_dump_dir to train on instead of sampling (no engine, no prompts, no validation)."""
+    rollout_dump_dir to train on instead of sampling (no engine, no prompts, no validation);
+    stop_on_signal: SIGTERM and SIGINT raise Stopped (the command line's run)."""
     from mcore_rl.preflight import check_inputs
 
-    t = cfg.trainer
-    inputs = inputs if inputs is not None else check_inputs(cfg, replay=bool(replay))
+    inputs = inputs if inputs is not None else check_inputs(cfg, replay=replay)
     train_task, val_task = inputs.train, inputs.val
-    run_dir = os.path.abspath(t.output_dir)
-    ckpt_root = os.path.join(run_dir, "checkpoints")
+    run_dir = os.path.abspath(cfg.trainer.output_dir)
     plan = memory_plan(cfg)
-    _start_ray(cfg)
-    pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
+    from mcore_rl.console import StartConsole
+
+    start_console = StartConsole()  # a line per start-up phase, with its seconds
+    with start_console.phase("starting Ray, placing the trainer"):
+        _start_ray(cfg)
+        if stop_on_signal:
+            stop_on_signals()  # after Ray's start: its handler would print a native stack dump on SIGTERM
+        pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
     os.makedirs(run_dir, exist_ok=True)
-    hf_dir = prepare_model(cfg, run_dir)
-    init = initial_checkpoints(cfg, hf_dir, run_dir)
-    group = ActorGroup(cfg, hf_dir, init, pg)
+    with RunLock(run_dir):  # a second run in this directory is refused while this one lives
+        return _train_in(cfg, run_dir, pg, plan, train_task, val_task, replay, start_console)
+
+
+def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, replay: str | None,
+              start_console) -> dict:
+    t = cfg.trainer
+    ckpt_root = os.path.join(run_dir, "checkpoints")
+    PROGRESS.update(ckpt_root=ckpt_root, step=None, done=None)
+    written = contextlib.nullcontext() if cfg.model.hf_path else start_console.phase("writing the model's config")
+    with written:
+        hf_dir = prepare_model(cfg, run_dir)
+    init = initial_checkpoints(cfg, hf_dir, run_dir, start_console)
+    group = ActorGroup(cfg, hf_dir, init, pg, start_console)
     ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)
     engine = rollout = sync = phases = None
     try:
         start, state, resumed = 0, {}, run_ckpt.latest(ckpt_root) if t.resume == "auto" else None
         if resumed:
             start = resumed[0]
-            _load(group, resumed[1])
+            with start_console.phase(f"loading checkpoint step_{start}"):
+                _load(group, resumed[1])
             state = run_ckpt.read_state(resumed[1])
             print(f"resumed from {resumed[1]} (step {start})", flush=True)
         ckpt.clear_after(start)
@@ -303,17 +391,20 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
         from mcore_rl.rollout_dump import RolloutReplay
 
         if replay:
-            engine = RolloutReplay(replay)
+            engine = RolloutReplay(replay, C.hf_model_dims(cfg.model))
         else:
             if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
-                group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
-            engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
-                                  train_task.tokenizer.pad_token_id or 0, plan)
+                with start_console.phase("offloading the trainer's states"):
+                    group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
+            with start_console.phase(f"starting the {cfg.rollout.engine} engines"):
+                engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
+                                      train_task.tokenizer.pad_token_id or 0, plan)
         if correction_line(cfg):
             print(correction_line(cfg), flush=True)
         first = {}
-        if sync is not None:  # the engine starts from the HF files: give it the trainer's weights
-            first = sync(start)
+        if sync is not None:  # the engine starts without the trainer's weights: give it them
+            with start_console.phase("first weight sync"):
+                first = sync(start)
             print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in first.items()}), flush=True)
         rollout = engine
         if t.mode != "sync" and not replay:  # generation runs ahead of training (mcore_rl/async_loop.py)
@@ -323,6 +414,7 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None) -> dict:
                                       total_steps(cfg, train_task, engine), start)
             sync = rollout.sync
         phases = Phases(cfg, group, engine, sync, plan)
+        start_console.done(f"ready for step {start + 1}")
         with _torch_threads(1):
             return _loop(cfg, group, rollout, phases, train_task, val_task, run_dir, ckpt, start, state, first)
     finally:
@@ -380,7 +472,9 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     if before:
         logger.log(before, step=start)
     metrics, kl_ctrl = {}, kl_controller(cfg, state.get("kl_coef"))
+    PROGRESS["total"] = total
     for step in range(start + 1, total + 1):
+        PROGRESS["step"] = step
         prompts = step_prompts(cfg, train_task, step) if train_task else []  # a replay trains on dumped batches
         metrics = rl_step(cfg, group, engine, phases, train_task, prompts, step, kl_ctrl)
         ckpt.finish()  # a background save of the step before is complete once this step has trained
@@ -401,6 +495,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
         after.update(phases.mon.take())  # this step's peaks: rollout, train, save, sync
         logger.log(after, step=step)
         metrics.update(after)
+        PROGRESS.update(step=None, done=step)
         if console:
             console.show(step, metrics)
     ckpt.finish()
@@ -458,6 +553,9 @@ def _truncate_metrics(path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+PLAN_REFUSED = "memory plan REFUSED"
+
+
 def dry_run(cfg: C.Config) -> list[str]:
     """What a run of `cfg` would start, as lines: trainer ranks, engines, sync, memory plan."""
     from mcore_rl.rollout.placement import plan_placement
@@ -487,7 +585,7 @@ def dry_run(cfg: C.Config) -> list[str]:
             plan, source = plan_for_config(cfg)
             lines += ["memory plan per GPU (capacity from " + source + "):", *plan.table().splitlines()]
         except PlanError as e:
-            lines += [*(e.plan.table().splitlines() if e.plan else []), f"memory plan REFUSED: {e}"]
+            lines += [*(e.plan.table().splitlines() if e.plan else []), f"{PLAN_REFUSED}: {e}"]
         except GpuSelectionError as e:
             lines.append(f"memory plan: not made here ({e})")
     return lines
@@ -512,23 +610,31 @@ def main(argv: list[str] | None = None) -> int:
         cfg = C.load_config(a.config, a.overrides)
         # the same checks for both; a dry run plans for the cluster it names: its model files
         # need not be on this machine
-        inputs = check_inputs(cfg, dry_run=a.dry_run, replay=bool(a.replay))
+        inputs = check_inputs(cfg, dry_run=a.dry_run, replay=a.replay)
         if a.dry_run:
-            print("\n".join(dry_run(cfg)))
-            return 0
+            lines = dry_run(cfg)
+            print("\n".join(lines))
+            # as the run would end: a refused memory plan stops it (exit 1, as python -m mcore_rl.plan)
+            return 1 if any(line.startswith(PLAN_REFUSED) for line in lines) else 0
     except BAD_INPUT as e:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
     from mcore_rl.dynamic_sampling import RefillsExhausted
-    from mcore_rl.rollout_dump import DumpError
+    from mcore_rl.cli_errors import BadInput, message
     from mcore_rl.memory.planner import PlanError
     from mcore_rl.rollout.base import EngineError
 
     t0 = time.perf_counter()
     try:
-        m = train(cfg, inputs, replay=a.replay)
-    except (GpuSelectionError, run_ckpt.CheckpointError, RefillsExhausted, DumpError, PlacementTimeout) as e:
-        return report(e)
+        m = train(cfg, inputs, replay=a.replay, stop_on_signal=True)
+    except run_ckpt.SaveFailed as e:  # a full disk, a read-only directory: the checkpoint before is whole
+        report(e)
+        return 1
+    except (GpuSelectionError, BadInput, RefillsExhausted, PlacementTimeout) as e:
+        return report(e)  # BadInput: checkpoints, dumps, a second run that took the lock first, ...
+    except OSError as e:  # a file the run writes (metrics, dumps) on a full or read-only disk
+        print(f"error: {message(e)}; {resume_hint()}", file=sys.stderr, flush=True)
+        return 1
     except EngineError as e:  # an engine died or hung mid-run (its message names it): rerunning resumes
         cause = getattr(e, "cause", None) or e  # met by a trainer rank in a weight sync: Ray wraps it
         print(f"error: {cause}; the same command resumes from the last checkpoint", file=sys.stderr)
@@ -538,6 +644,11 @@ def main(argv: list[str] | None = None) -> int:
             print(e.plan.table())
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except BaseException:  # noqa: BLE001 - last: a stop by signal, whatever it interrupted: one line
+        if PROGRESS["signal"] is None:
+            raise
+        print(stopped_line(), file=sys.stderr, flush=True)
+        return 128 + getattr(__import__("signal"), PROGRESS["signal"])
     print(f"done in {time.perf_counter() - t0:.0f}s: " + json.dumps({k: round(v, 4) for k, v in m.items()
                                                                     if k.startswith(("reward", "val"))}))
     return 0

@@ -43,8 +43,10 @@ class Checkpoints:
         """Wait for a save's writes and complete it (every rank calls this; collective)."""
         pending, self._pending_save = getattr(self, "_pending_save", None), None
         if pending is not None:
-            pending.finish()
-            dist.barrier()
+            try:
+                pending.finish()
+            finally:  # a rank whose writes failed (a full disk) still meets the others, then raises
+                dist.barrier()
 
     def _writes_done(self) -> None:
         """Before the states change (update, onload, offload): a background save has read them."""

@@ -20,9 +20,11 @@ from mcore_rl.config import recompute_choice
 
 class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Lockstep):
     def __init__(self, rank: int, world: int, master_port: int, hf_dir: str, cfg: dict,
-                 master_addr: str = "127.0.0.1", init: dict | None = None):
+                 master_addr: str = "127.0.0.1", init: dict | None = None, build_only: bool = False):
         """init: torch_dist checkpoints to start from, {"policy": dir|None, "critic": dir|None};
-        without one the policy keeps megatron's seeded init and the critic copies the policy."""
+        without one the policy keeps megatron's seeded init and the critic copies the policy.
+        build_only: stop after building the policy on the device; `load_initial(init)` completes
+        the construction (a driver times the two apart)."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world))
         if not torch.cuda.is_available():  # compiling costs more than it saves on CPU (mcore_rl.models.fused)
@@ -38,7 +40,11 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         use_expandable_segments(cfg["memory"]["expandable_segments"])  # before anything is allocated
         if rank == 0:
             print(compat.accelerators_line(), flush=True)
-        init = init or {}
+        unsettled = [k for k, v in (("actor.ppo_max_token_len_per_gpu", cfg["actor"]["ppo_max_token_len_per_gpu"]),
+                                    ("memory.recompute", cfg["memory"]["recompute"])) if v == "auto"]
+        if unsettled:
+            raise ValueError(f"{', '.join(unsettled)}: auto is settled before the actors start, by the memory plan "
+                             "(mcore_rl.plan.apply_choice) or without one (settle_without_plan)")
         p = cfg["parallel"]
         self.layout = Layout(tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"])
         init_distributed(self.layout, seed=cfg["trainer"]["seed"])
@@ -50,11 +56,20 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         mode, layers, modules = recompute_choice(cfg["memory"])
         tcfg = transformer_config(self.hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"], dtype=dtype,
                                   recompute=mode, recompute_layers=layers, recompute_modules=modules, **bias)
-        attention = self.packed_attention
-        self.model = build_model(self.hf, tcfg, attention=attention)
+        self._tcfg = tcfg
+        self.model = build_model(self.hf, tcfg, attention=self.packed_attention)
         # batches arrive and results leave on the host; the model's device does the work
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
+        if not build_only:
+            self.load_initial(init)
+
+    def load_initial(self, init: dict | None = None) -> None:
+        """The rest of the construction: the policy's weights from init["policy"] (each rank reads
+        its own shards of the torch_dist checkpoint), the reference and critic, the optimizers."""
+        from mcore_rl.models import build_model
+
+        init, cfg, tcfg, attention = init or {}, self.cfg, self._tcfg, self.packed_attention
         if init.get("policy"):
             from mcore_rl.checkpoint import load_model
 

@@ -10,39 +10,66 @@ from mcore_rl import optim
 
 
 class MemoryMoves:
-    def _offloaders(self):
-        """Two StorageOffloaders: the policy's weights, which the weight sync reads on the GPU and
-        which go to the host after it, and every other training state, which goes before it."""
+    def _offloaders(self) -> dict:
+        """The training states by how they move at a phase change:
+        weights    the policy's, which the weight sync reads on the GPU: to the host after it;
+        others     every other model state (a critic's weights): to the host before it;
+        optimizer  main params and moments: to the host before it, back in the background (only
+                   the optimizer step reads them: `optimizer_states_ready`);
+        grads      the grad buffers: freed, not moved (each update zeroes them before use)."""
         if getattr(self, "_offload", None) is None:
-            from mcore_rl.memory.offload import StorageOffloader
+            from mcore_rl.memory.offload import StorageDropper, StorageOffloader
 
-            self._offload = (StorageOffloader(self._weight_tensors), StorageOffloader(self._other_state_tensors))
+            kind = self.device.type
+            self._offload = {"weights": StorageOffloader(self._weight_tensors, kind),
+                             "others": StorageOffloader(self._other_state_tensors, kind),
+                             "optimizer": StorageOffloader(self._optimizer_state_tensors, kind),
+                             "grads": StorageDropper(self._grad_tensors, kind)}
         return self._offload
 
     def _weight_tensors(self):
         return self.model.parameters()
 
-    def _other_state_tensors(self):
-        weights = {p.untyped_storage()._cdata for p in self._weight_tensors()}
-        return (t for t in self._train_state_tensors() if t.untyped_storage()._cdata not in weights)
+    def _grad_tensors(self):
+        return (p.main_grad for _, model, _ in self._parts() for p in model.parameters()
+                if getattr(p, "main_grad", None) is not None)
 
-    def _train_state_tensors(self):
-        """Params, grad buffers (through main_grad views) and optimizer states of policy and critic."""
-        for _, model, opt in self._parts():
-            for p in model.parameters():
-                yield p
-                if getattr(p, "main_grad", None) is not None:
-                    yield p.main_grad
+    def _optimizer_tensors(self):
+        for _, _, opt in self._parts():
             for sub in optim._subs(opt):
                 inner = getattr(sub, "optimizer", sub)
                 yield from (p for g in inner.param_groups for p in g["params"])
                 yield from (v for st in inner.state.values() for v in st.values() if torch.is_tensor(v))
 
+    def _optimizer_state_tensors(self):
+        # fp32 models' main params can be views of the weights' own buffer: those move as weights
+        skip = {t.untyped_storage()._cdata for t in (*self._weight_tensors(), *self._grad_tensors())}
+        return (t for t in self._optimizer_tensors() if t.untyped_storage()._cdata not in skip)
+
+    def _other_state_tensors(self):
+        skip = {t.untyped_storage()._cdata for t in (*self._weight_tensors(), *self._grad_tensors(),
+                                                      *self._optimizer_tensors())}
+        return (t for t in self._train_state_tensors() if t.untyped_storage()._cdata not in skip)
+
+    def _train_state_tensors(self):
+        """Params, grad buffers (through main_grad views) and optimizer states of policy and critic."""
+        for _, model, _ in self._parts():
+            for p in model.parameters():
+                yield p
+                if getattr(p, "main_grad", None) is not None:
+                    yield p.main_grad
+        yield from self._optimizer_tensors()
+
+    def optimizer_states_ready(self) -> None:
+        """Before an optimizer step: the states an onload brought back in the background are there."""
+        if self._moves_states():
+            self._offloaders()["optimizer"].wait()
+
     def read_state(self, t: torch.Tensor) -> torch.Tensor:
         """`t`'s values wherever they are now: `t` itself, or the same view of its host copy."""
-        if self.device.type != "cuda":
+        if not self._moves_states():
             return t
-        for off in self._offloaders():
+        for off in self._offloaders().values():
             got = off.read(t)
             if got is not t:
                 return got
@@ -51,35 +78,49 @@ class MemoryMoves:
     def state_bytes(self) -> int:
         """Bytes of this rank's training state, on the device or offloaded (the host copies)."""
         seen, total = set(), 0
-        host = {k: v for off in self._offloaders() for k, v in off.by_storage.items()} \
-            if self.device.type == "cuda" else {}
+        offs = self._offloaders() if self._moves_states() else {}
+        host = {k: v.numel() for off in offs.values() for k, v in off.by_storage.items()}
+        host.update(offs["grads"].dropped_bytes() if offs else {})
         for t in self._train_state_tensors():
             s = t.untyped_storage()
             if s._cdata not in seen:
                 seen.add(s._cdata)
-                total += host[s._cdata].numel() if s._cdata in host else s.nbytes()
+                total += host.get(s._cdata, s.nbytes())
         return total
 
     def offload_states(self, weights: bool = True) -> int:
-        """Grads and optimizer states, and with `weights` the policy's weights too, to pinned host
-        memory while a colocated engine runs. The choreography syncs the engine from the weights
-        on the GPU (no host-to-device stream per tensor), then offloads them."""
+        """Everything but the policy's weights, and with `weights` those too, to pinned host memory
+        while a colocated engine runs (the grad buffers are freed instead). The choreography syncs
+        the engine from the weights on the GPU (no host-to-device stream per tensor), then offloads
+        them."""
         self._writes_done()
-        if self.device.type != "cuda":
+        if not self._moves_states():
             return 0
-        weight_part, others = self._offloaders()
-        return others.offload() + (weight_part.offload() if weights else 0)
+        off = self._offloaders()
+        # the grads first: the offloaders' empty_cache then gives their freed blocks back to the engine too
+        moved = off["grads"].offload() + off["others"].offload() + off["optimizer"].offload()
+        return moved + (off["weights"].offload() if weights else 0)
 
     def onload_states(self) -> None:
+        """The weights and other model states back now; the optimizer's in the background."""
         self._writes_done()
+        if not self._moves_states():
+            return
         if self.device.type == "cuda":
             # what this process kept on the GPU while the engine had it (the rollout phase)
             self._peaks = {"memory/trainer_offloaded_allocated_gib": torch.cuda.memory_allocated() / 2**30,
                            "memory/trainer_offloaded_reserved_gib": torch.cuda.memory_reserved() / 2**30}
             torch.cuda.reset_peak_memory_stats()
-            for off in self._offloaders():
-                off.onload()
-            self._allocator_peak("onload")
+        off = self._offloaders()
+        for name in ("weights", "others", "grads"):
+            off[name].onload()
+        off["optimizer"].onload(background=True)
+        self._allocator_peak("onload")
+
+    def _moves_states(self) -> bool:
+        """Whether phase changes move the training states: on GPUs. (A CPU test drives the same moves
+        by answering yes.)"""
+        return self.device.type == "cuda"
 
     def gpu_free_bytes(self) -> int:
         """Free memory of this rank's GPU, every process's use counted (the colocated resume guard)."""

@@ -91,6 +91,7 @@ class Update:
                 totals[key] = totals.get(key, 0.0) + v
         for r in self.route_replays if routes is not None else ():
             r.reset()
+        self.optimizer_states_ready()  # an onload may still be bringing them back in the background
         _, gnorm = optim.step(model, opt)  # DP/expert-DP/TP-SP/PP-embedding grad reductions, clipping, step
         values = torch.stack([v.to(self.device) for v in totals.values()]).tolist() if totals else []
         return {**dict(zip(totals, values)), "actor/grad_norm": gnorm}

@@ -58,7 +58,10 @@ class PromptDataset:
 
     def __init__(self, source: str | Sequence[str] | list[dict], tokenizer=None, *, prompt_key: str = "prompt",
                  max_prompt_length: int = 512, filter_overlong_prompts: bool = True,
-                 truncation: Truncation = "error"):
+                 truncation: Truncation = "error", rewarded: bool = False):
+        """rewarded: every row's data_source must have a reward function (a training source)."""
+        from mcore_rl.rewards import require_reward
+
         is_rows = isinstance(source, list) and all(isinstance(r, dict) for r in source)
         paths = [source] if isinstance(source, str) else source
         # errors name the row as "row I" among given rows, "FILE: row I" (I within FILE) among files
@@ -70,6 +73,8 @@ class PromptDataset:
         rows = [(f"{label} {i}", row) for label, part in parts for i, row in enumerate(part)]
         for index, (where, row) in enumerate(rows):
             check_row(row, where, prompt_key)
+            if rewarded:
+                require_reward(row["data_source"], where)
             try:
                 ids = encode_prompt(row[prompt_key], self.tokenizer)
             except ValueError as e:

@@ -54,7 +54,8 @@ def _tokenizer_hint(tokenizer) -> str:
 def _dataset(files, tokenizer, d) -> DatasetPrompts:
     try:
         ds = PromptDataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                           filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation)
+                           filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
+                           rewarded=True)
     except UnencodablePrompt as e:
         raise UnencodablePrompt(f"{e}{_tokenizer_hint(tokenizer)}") from None
     if len(ds) == 0:  # every file has rows (read_file_rows): all were longer than allowed

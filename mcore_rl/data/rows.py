@@ -67,13 +67,23 @@ def read_rows(paths: str | Iterable[str], prompt_key: str = "prompt") -> list[di
     return rows
 
 
+# the script that writes the data files of the shipped configs, by the folder they go to
+MAKERS = {"gsm8k": "scripts/preprocess_gsm8k.py", "math": "scripts/preprocess_math.py"}
+
+
+def _maker_hint(path: str) -> str:
+    folder = os.path.dirname(path)
+    script = MAKERS.get(os.path.basename(folder))
+    return f" (make it with: python {script} --output_dir {folder})" if script else ""
+
+
 def read_file_rows(path: str, prompt_key: str = "prompt") -> list[dict]:
     """The rows of one parquet file; a file that is missing, not parquet, empty or lacks a verl
     column is refused with one line naming it (rows themselves are checked by check_row)."""
     if os.path.isdir(path):
         raise BadInput(f"{path}: is a directory, not a parquet file")
     if not os.path.exists(path):
-        raise BadInput(f"{path}: no such file")
+        raise BadInput(f"{path}: no such file{_maker_hint(path)}")
     try:
         table = pq.read_table(path)
     except OSError as e:

@@ -67,6 +67,7 @@ class Colocation:
         self.free_bytes, self.resume_needs = free_bytes, resume_needs or {}
         self.phase = "rollout"
         self.timings: dict[str, list[float]] = {}
+        self.moved: dict[str, object] = {}  # what the trainer's last offloads returned (bytes moved)
 
     def _timed(self, name: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
@@ -102,14 +103,14 @@ class Colocation:
         if self.phase != "train":
             raise RuntimeError(f"to_rollout() called in phase {self.phase!r}")
         if self.offload_train_states:
-            self._timed("offload_trainer", self.trainer.offload, weights=False)
+            self.moved["offload_trainer"] = self._timed("offload_trainer", self.trainer.offload, weights=False)
         if before_sync:
             before_sync()
         self._check("weights")
         self._timed("resume_weights", self.engine.resume, ["weights"])
         out = self._timed("sync", self.sync, **sync_kwargs)
         if self.offload_train_states:
-            self._timed("offload_weights", self.trainer.offload)
+            self.moved["offload_weights"] = self._timed("offload_weights", self.trainer.offload)
         extra = after_offload() if after_offload else {}
         self._check("kv_cache")
         self._timed("resume_kv_cache", self.engine.resume, ["kv_cache", "cuda_graph"])

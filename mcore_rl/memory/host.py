@@ -3,9 +3,10 @@
 A node holds trainer ranks and engine ranks (GPUs are numbered node-major; trainer rank r runs on
 GPU r, `mcore_rl.rollout.placement`), and its host memory is the sum over them of, per trainer
 rank (PP stage s = r // (world / pp): megatron's rank order puts PP outermost):
-  trainer states, pinned   weights + grads + optimizer of the rank as the GPU plan's train phase
-                           counts them, when colocated with an engine (not embedded) and
+  trainer states, pinned   weights + optimizer of the rank as the GPU plan's train phase counts
+                           them, when colocated with an engine (not embedded) and
                            memory.offload_train_states: the offloader keeps exactly that much pinned
+                           (the grad buffers are freed, not moved: each update zeroes them first)
   optimizer offload        memory.optimizer_offload_fraction of the Adam moments (those the GPU plan
                            leaves out), and as many bytes again: megatron's HybridDeviceOptimizer
                            keeps pinned fp32 copies of that share's main params and grads (4 + 4 B)
@@ -158,7 +159,8 @@ def rank_host_bytes(hf: HFModel, i: PlanInputs, h: HostInputs, stage: int) -> di
     n = megatron_rank_numel(inventory(hf), hf, tp=i.tp, pp=i.pp, ep=i.ep, etp=i.etp, stage=stage)
     host_moments = moment_bytes(optimizer_elements(hf, i, n), i.optimizer_offload_fraction)[1]
     on_gpu = t["megatron weights"] + t["megatron grads"] + t["megatron optimizer"]
-    return {STATES: on_gpu if h.offload_train_states else 0,
+    pinned = on_gpu - t["megatron grads"]
+    return {STATES: pinned if h.offload_train_states else 0,
             OPT: 2 * host_moments,  # the moments, and megatron's fp32 param + grad copies of that share
             REF: t["megatron weights"] if h.ref_on_host else 0,
             CKPT: max(CKPT_STAGING_MIN, math.ceil(CKPT_STAGING_SHARE * (on_gpu + host_moments))),

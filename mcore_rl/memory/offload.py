@@ -7,6 +7,8 @@ repeated cycles do not grow host memory.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -76,13 +78,14 @@ class PinnedBuffer:
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
+        self.registered = bool(nbytes) and torch.cuda.is_available()  # plain host memory on a CPU-only run
+        if self.registered:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
 
     def free(self) -> None:
-        if self.tensor is not None and self.nbytes:
+        if self.tensor is not None and self.registered:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
         self.tensor = None
 
@@ -95,10 +98,12 @@ class StorageOffloader:
     host buffers are reused while the storages keep their sizes. While offloaded, `read(t)` gives
     a tensor's values from the host copy (the weight sync streams them to the GPU bucket by bucket).
     Used for the trainer's states while a colocated engine runs (`MegatronActor.offload_states`).
+    `device_type` is where the live storages are: "cuda" in runs, "cpu" where a CPU test drives the
+    same moves.
     """
 
-    def __init__(self, tensors):
-        self.tensors = tensors
+    def __init__(self, tensors, device_type: str = "cuda"):
+        self.tensors, self.device_type = tensors, device_type
         self.storages: list = []
         self.host: list[PinnedBuffer] = []
         self.by_storage: dict[int, torch.Tensor] = {}  # StorageImpl address -> its host copy
@@ -107,7 +112,7 @@ class StorageOffloader:
         out, seen = [], set()
         for t in self.tensors():
             s = t.untyped_storage()
-            if t.device.type == "cuda" and s._cdata not in seen and s.nbytes():
+            if t.device.type == self.device_type and s._cdata not in seen and s.nbytes():
                 seen.add(s._cdata)
                 out.append(s)
         return out
@@ -120,6 +125,7 @@ class StorageOffloader:
     def offload(self) -> int:
         if self.offloaded:
             return 0
+        self.wait()  # a background onload still copying into these storages finishes first
         self.storages = self._collect()
         sizes = [s.nbytes() for s in self.storages]
         if sizes != [h.nbytes for h in self.host]:
@@ -130,22 +136,40 @@ class StorageOffloader:
             self.host = [PinnedBuffer(n) for n in sizes]
         for s, host in zip(self.storages, self.host):
             host.tensor.copy_(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s), non_blocking=True)
-        torch.cuda.synchronize()
+        _synchronize(self.device_type)
         for s, host in zip(self.storages, self.host):
             self.by_storage[s._cdata] = host.tensor
             s.resize_(0)
-        torch.cuda.empty_cache()  # the engine's processes cannot use our allocator's cached blocks
+        if self.device_type == "cuda":
+            torch.cuda.empty_cache()  # the engine's processes cannot use our allocator's cached blocks
         return sum(sizes)
 
     @torch.no_grad()
-    def onload(self) -> None:
+    def onload(self, background: bool = False) -> None:
+        """Back to the device. With `background` (CUDA), the copies run on a side stream and this
+        returns at once: the memory is taken now, the values arrive while the caller computes, and
+        `wait()` must come before anything reads them."""
         if not self.offloaded:
             return
         for s, host in zip(self.storages, self.host):
-            s.resize_(host.nbytes)
-            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(host.tensor, non_blocking=True)
-        torch.cuda.synchronize()
+            s.resize_(host.nbytes)  # taken on the current stream, as the states' users will use it
+        side = torch.cuda.Stream() if background and self.device_type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())  # the memory's last users are done first
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for s, host in zip(self.storages, self.host):
+                torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).copy_(host.tensor, non_blocking=True)
+        if side is None:
+            _synchronize(self.device_type)
+        else:
+            self._arrived = side.record_event()
         self.by_storage.clear()
+
+    def wait(self) -> None:
+        """The current stream waits for a background onload's copies (a no-op when none is pending)."""
+        ev, self._arrived = getattr(self, "_arrived", None), None
+        if ev is not None:
+            torch.cuda.current_stream().wait_event(ev)
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         """`t` itself, or, while its storage is offloaded, the same view of the host copy."""
@@ -153,3 +177,53 @@ class StorageOffloader:
         if host is None:
             return t
         return torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+class StorageDropper:
+    """Frees whole storages whose values are not needed after the phase change, and gives them back
+    zeroed: the gradient buffers, which every optimizer step zeroes before its first backward
+    (`optim.zero_grad`), so carrying them to the host and back would move bytes nobody reads.
+    Tensors and views keep their identity, as with StorageOffloader."""
+
+    def __init__(self, tensors, device_type: str = "cuda"):
+        self.tensors, self.device_type = tensors, device_type
+        self.dropped: dict[int, tuple] = {}  # StorageImpl address -> (storage, its bytes)
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.dropped)
+
+    @property
+    def by_storage(self) -> dict:
+        return {}  # nothing is kept: a dropped storage has no copy to read
+
+    def dropped_bytes(self) -> dict[int, int]:
+        return {k: n for k, (_, n) in self.dropped.items()}
+
+    def offload(self) -> int:
+        """Frees the storages; returns the bytes moved (none)."""
+        if self.offloaded:
+            return 0
+        for t in self.tensors():
+            s = t.untyped_storage()
+            if t.device.type == self.device_type and s._cdata not in self.dropped and s.nbytes():
+                self.dropped[s._cdata] = (s, s.nbytes())
+        _synchronize(self.device_type)  # no kernel may still write what is freed
+        for s, _ in self.dropped.values():
+            s.resize_(0)
+        return 0
+
+    @torch.no_grad()
+    def onload(self) -> None:
+        for s, n in self.dropped.values():
+            s.resize_(n)
+            torch.empty(0, dtype=torch.uint8, device=s.device).set_(s).zero_()
+        self.dropped.clear()
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _synchronize(device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.synchronize()

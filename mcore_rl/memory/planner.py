@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from mcore_rl.memory.layout import engine_tensors, inventory, megatron_rank_numel, stage_layers
 from mcore_rl.models.config import HFModel
@@ -113,7 +113,7 @@ class PlanError(RuntimeError):
     """A phase does not fit on the GPU; carries the plan so the table can show where."""
 
     def __init__(self, phase: str, shortfall: int, plan: "Plan | None" = None, why: str = ""):
-        self.phase, self.shortfall, self.plan = phase, shortfall, plan
+        self.phase, self.shortfall, self.plan, self.why = phase, shortfall, plan, why
         need = f" ({why})" if why else ""
         super().__init__(f"memory plan refused: phase '{phase}' is short by {shortfall / GiB:.2f} GiB "
                          f"per GPU{need}")
@@ -173,13 +173,17 @@ class PlanInputs:
         object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
 
     @classmethod
-    def from_config(cls, cfg, capacity: int) -> "PlanInputs":
+    def from_config(cls, cfg, capacity: int, budget: int | None = None, recompute: str | None = None) -> "PlanInputs":
+        """budget, recompute: in place of the config's (its "auto": AUTO_BUDGET_MAX, none)."""
         from mcore_rl.config import actor_gpus, max_running_requests, recompute_choice
 
         a, r, m, d, p = cfg.actor, cfg.rollout, cfg.memory, cfg.data, cfg.parallel
         seq = d.max_prompt_length + r.max_response_len
-        micro = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else a.micro_batch_size * seq
+        if budget is None:
+            budget = AUTO_BUDGET_MAX if a.ppo_max_token_len_per_gpu == "auto" else a.ppo_max_token_len_per_gpu
+        micro = budget if a.use_dynamic_bsz else a.micro_batch_size * seq
         mode, layers, modules = recompute_choice(m)
+        mode = recompute or ("none" if mode == "auto" else mode)
         gpu = cfg.cluster.device == "gpu"  # the actor's null switches follow the device
         return cls(
             capacity=capacity, world=actor_gpus(cfg), tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp,
@@ -390,10 +394,10 @@ def make_plan(hf: HFModel, i: PlanInputs, host: HostInputs | None = None) -> Pla
 
     P = i.capacity - sum(always.values()) - sum(residue.values()) - sum(pinned.values())
     if i.mem_fraction_static is None:
-        f = min(0.95, math.floor((P - graphs * (not pinned) - act_engine) / max(P, 1) * 100) / 100)
+        f = max(0.0, min(0.95, math.floor((P - graphs * (not pinned) - act_engine) / max(P, 1) * 100) / 100))
     else:
         f = i.mem_fraction_static
-    kv = max(0, int(f * P) - w_engine)
+    kv = max(0, int(f * max(P, 0)) - w_engine)  # a GPU smaller than what is always reserved: no KV at all
     per_token = kv_bytes_per_token(hf, i.rollout_tp)
     phases = {
         "train": {**always, **pinned, **train},
@@ -428,3 +432,80 @@ def _why(plan: Plan, phase: str) -> str:
     top = sorted(plan.phases[phase].items(), key=lambda kv: -kv[1])[:3]
     parts = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in top)
     return f"needs {plan.total(phase) / GiB:.2f} of {plan.inputs.capacity / GiB:.2f} GiB; largest: {parts}"
+
+
+# ----------------------------------------------------------------------------- micro-batch and recompute
+BUDGET_STEP = 1024  # picked token budgets are multiples of this (or exactly one sequence)
+AUTO_BUDGET_MAX = 16384  # the largest budget "auto" picks (or one sequence, if longer); the CPU's without a plan
+# below this a recompute mode that fits more is preferred: at Moonlight's 64 experts (top-6) each
+# expert's GEMM gets T * 6 / 64 rows, 384 at 4096 tokens
+AUTO_BUDGET_FLOOR = 4096
+RECOMPUTE_BY_COST = ("none", "selective", "full")  # what each adds to an update: nothing, MoE forwards, all forwards
+
+
+def pick_micro_batch(hf: HFModel, at: Callable[[int, str], PlanInputs], *, budget: int | None,
+                     modes: tuple[str, ...], min_budget: int, name: str | None = "actor.ppo_max_token_len_per_gpu",
+                     host: HostInputs | None = None) -> tuple[PlanInputs, str]:
+    """The plan inputs (`at(tokens, recompute mode)`) of the micro-batch token budget and recompute
+    mode to run with, and a line saying which and whether picked.
+
+    budget None: the first of `modes` (cheapest first) under which a budget of at least
+    max(min_budget, AUTO_BUDGET_FLOOR) fits, with the largest budget up to max(AUTO_BUDGET_MAX,
+    min_budget) that fits under it (a multiple of BUDGET_STEP, or min_budget: one sequence); else the
+    mode fitting the largest. A given budget runs under the first of `modes` it fits in; one that fits
+    in none is refused, the error naming (as `name`) the largest budget that fits (its plan carries
+    the host side too, given `host`). Only the train phase depends on these: a refusal of another
+    phase is raised as it is."""
+    def fits(tokens: int, mode: str) -> bool:
+        try:
+            make_plan(hf, at(tokens, mode))
+        except PlanError as e:
+            if e.phase != "train":
+                raise
+            return False
+        return True
+
+    def largest(mode: str, hi: int) -> int | None:
+        sizes = [min_budget] + list(range((min_budget // BUDGET_STEP + 1) * BUDGET_STEP, hi + 1, BUDGET_STEP))
+        if not fits(sizes[0], mode):
+            return None
+        lo, up = 0, len(sizes) - 1  # sizes[lo] fits; memory grows with the budget
+        while lo < up:
+            mid = (lo + up + 1) // 2
+            lo, up = (mid, up) if fits(sizes[mid], mode) else (lo, mid - 1)
+        return sizes[lo]
+
+    def line(tokens: int, mode: str) -> str:
+        how = f" (picked: the largest up to {cap} that fits)" if budget is None else ""
+        picked = " (picked: the cheapest that fits)" if len(modes) > 1 else ""
+        return f"micro-batch: {tokens:,} tokens per GPU{how}; recompute {mode}{picked}"
+
+    cap = max(AUTO_BUDGET_MAX, min_budget)
+    if budget is not None:
+        for mode in modes:
+            if fits(budget, mode):
+                return at(budget, mode), line(budget, mode)
+        best = max(((largest(m, budget), m) for m in modes), key=lambda lm: lm[0] or 0)
+        hint = (f"the largest that fits is {best[0]} (memory.recompute: {best[1]})" if best[0]
+                else f"not even one sequence ({min_budget} tokens) fits")
+        _refuse(hf, at(budget, modes[-1]), host, f"{name}={budget} cannot fit; {hint}" if name else "")
+    floor, best = min(cap, max(min_budget, AUTO_BUDGET_FLOOR)), (None, modes[0])
+    for mode in modes:
+        tokens = largest(mode, cap)
+        if tokens is not None and tokens >= floor:
+            return at(tokens, mode), line(tokens, mode)
+        if (tokens or 0) > (best[0] or 0):
+            best = (tokens, mode)
+    if best[0] is None:
+        _refuse(hf, at(min_budget, modes[-1]), host, f"no micro-batch of one sequence ({min_budget} tokens) fits, "
+                                               f"even with recompute {modes[-1]}")
+    return at(*best), line(*best)
+
+
+def _refuse(hf: HFModel, i: PlanInputs, host: HostInputs | None, hint: str) -> None:
+    """make_plan's refusal of `i`, its reason followed by `hint`."""
+    try:
+        make_plan(hf, i, host)
+    except PlanError as e:
+        raise PlanError(e.phase, e.shortfall, e.plan, "; ".join(x for x in (e.why, hint) if x)) from None
+    raise AssertionError("a plan refused before fits now")  # pragma: no cover

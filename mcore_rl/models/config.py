@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.cli_errors import BadInput, hf_config
-from mcore_rl.model_checks import hf_config_problems, num_experts, unknown_type
+from mcore_rl.model_checks import FAMILY_DEFAULTS, hf_config_problems, num_experts, unknown_type
 
 
 class UnsupportedModelError(BadInput):
@@ -47,13 +47,17 @@ class HFModel:
     def __getattr__(self, item):
         if item == "cfg":  # not set yet (unpickling): looking it up in itself would recurse forever
             raise AttributeError(item)
-        try:
+        if item in self.cfg:
             return self.cfg[item]
-        except KeyError:
-            raise AttributeError(item) from None
+        if item in FAMILY_DEFAULTS[self.model_type]:
+            return FAMILY_DEFAULTS[self.model_type][item]
+        raise AttributeError(item)
 
     def get(self, key, default=None):
-        return self.cfg.get(key, default)
+        """The config's value, else the family's default (model_checks.FAMILY_DEFAULTS), else `default`."""
+        if key in self.cfg:
+            return self.cfg[key]
+        return FAMILY_DEFAULTS[self.model_type].get(key, default)
 
     # ---- structure -----------------------------------------------------------------
     @property
@@ -91,8 +95,9 @@ class HFModel:
     @property
     def rotary_fraction(self) -> float:
         """The share of each head's dims that RoPE rotates (GLM-4.5: the first half)."""
-        rp = self.get("rope_parameters") or {}
-        return float(self.get("partial_rotary_factor") or rp.get("partial_rotary_factor") or 1.0)
+        rp = self.cfg.get("rope_parameters") or {}
+        return float(self.cfg.get("partial_rotary_factor") or rp.get("partial_rotary_factor")
+                     or self.get("partial_rotary_factor"))
 
     @property
     def q_lora(self) -> bool:
@@ -131,7 +136,7 @@ def _rope_scaling(m: HFModel) -> dict[str, Any] | None:
 
 def _rope_theta(m: HFModel) -> float:
     rp = m.get("rope_parameters") or {}
-    return float(m.get("rope_theta") or rp.get("rope_theta") or 10000.0)
+    return float(m.cfg.get("rope_theta") or rp.get("rope_theta") or m.get("rope_theta"))
 
 
 def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,

@@ -30,6 +30,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these (it is kept)
+    ignore_eos: bool = False  # nor does the engine's own EOS (its config's) end it: max_new_tokens each
     seed: int | None = 0  # completion k of the batch samples with seed + k (reproducible); None: engine's RNG
 
     def __post_init__(self):
@@ -52,10 +53,16 @@ class Completion:
     # [prompt + response - 1 tokens, layers, top-k] int32: the experts each token was routed to
     # (every token but the last sampled one, which the engine never ran); None: the engine returns none
     routed_experts: object = None
+    # multi-turn (mcore_rl.rollout.multiturn): 1 on the tokens the model sampled, 0 on the environment's
+    # (context, not trained on); None: every token is the model's
+    loss_mask: list[int] | None = None
+    cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache; None: not reported
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.log_probs):
             raise EngineError(f"engine returned {len(self.token_ids)} tokens but {len(self.log_probs)} log-probs")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} tokens but a loss mask of {len(self.loss_mask)}")
 
 
 @dataclass(frozen=True)

@@ -65,12 +65,15 @@ class RolloutWorker:
     (BusyClocks) time the engines' generation and the trainer's waits.
     A failure on the worker's thread is raised on the trainer's by its next `take` or `paused`."""
 
+    caps_whole_responses = False
+
     def __init__(self, engine, prompt_tokens, prompts: Iterator[tuple[tuple, int]], params: SamplingParams,
                  max_len: int, segment: int, may_start: Callable[[tuple, int], bool], version: int, engine_clock,
                  wait_clock, max_live: int | None = None):
         self.engine, self.prompt_tokens, self.prompts = engine, prompt_tokens, prompts
         self.params, self.max_len, self.segment, self.may_start = params, max_len, segment, may_start
-        self.max_live = max_live if segment else None  # whole responses: SGLang's own batching fills the engines
+        # whole responses: SGLang's own batching fills the engines
+        self.max_live = max_live if segment or self.caps_whole_responses else None
         self.next_prompt: tuple[tuple, int] | None = None  # drawn from `prompts`, waiting for may_start
         self.version = version  # of the weights the engines hold; changed only while paused
         self.engine_clock, self.wait_clock = engine_clock, wait_clock
@@ -97,28 +100,41 @@ class RolloutWorker:
                     if self.stopped:
                         return
                     self._fill()
-                    live = [s for _, g in sorted(self.in_flight.items(), key=lambda kg: kg[0])
-                            for s in g if not s.finished][:self.max_live]
                     version = self.version
-                    if not live:  # nothing may start yet: wait for a sync or the trainer's next request
+                if not self._round(version):  # nothing may start yet: wait for a sync or the trainer's next request
+                    with self.cond:
                         self.cond.wait(timeout=0.5)
-                        continue
-                self.engine_clock.start()
-                try:
-                    pieces = self.engine.generate_requests([s.request(self.params, self.max_len, self.segment)
-                                                            for s in live])
-                finally:
-                    self.engine_clock.stop()
-                with self.cond:
-                    for s, piece in zip(live, pieces):
-                        s.extend(piece, version, self.max_len)
-                    done = [k for k, g in self.in_flight.items() if all(s.finished for s in g)]
-                    self.ready.update((k, self.in_flight.pop(k)) for k in done)
-                    self.cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread, raised there
             with self.cond:
                 self.error = e
                 self.cond.notify_all()
+
+    def _round(self, version: int) -> bool:
+        """One piece of every live response (at most max_live), oldest step first; False: none live."""
+        with self.cond:
+            live = [s for _, g in sorted(self.in_flight.items(), key=lambda kg: kg[0])
+                    for s in g if not s.finished][:self.max_live]
+        if not live:
+            return False
+        pieces = self._generate([s.request(self.params, self.max_len, self.segment) for s in live])
+        with self.cond:
+            for s, piece in zip(live, pieces):
+                s.extend(piece, version, self.max_len)
+            self._move_finished()
+        return True
+
+    def _generate(self, requests: list[Request]) -> list[Completion]:
+        self.engine_clock.start()
+        try:
+            return self.engine.generate_requests(requests)
+        finally:
+            self.engine_clock.stop()
+
+    def _move_finished(self) -> None:
+        """Groups whose every response is finished go to the buffer (under self.cond)."""
+        done = [k for k, g in self.in_flight.items() if all(s.finished for s in g)]
+        self.ready.update((k, self.in_flight.pop(k)) for k in done)
+        self.cond.notify_all()
 
     def _fill(self) -> None:
         # requested groups start at once: the trainer waits for them, whatever the buffer holds
@@ -132,11 +148,14 @@ class RolloutWorker:
             self.next_prompt = None
 
     def _start(self, key: tuple, i: int) -> None:
+        self.in_flight[key] = [Sample(i, list(self.prompt_tokens(i)), seed) for seed in self._group_seeds()]
+
+    def _group_seeds(self) -> list[int | None]:
+        """The seeds of the next group's responses (one per params.n)."""
         n, seed = self.params.n, self.params.seed
         base = None if seed is None else seed + self.groups_started * n
-        self.in_flight[key] = [Sample(i, list(self.prompt_tokens(i)), None if base is None else base + j)
-                               for j in range(n)]
         self.groups_started += 1
+        return [None if base is None else base + j for j in range(n)]
 
     # ---- the trainer's thread -------------------------------------------------------------------
     def raise_if_failed(self) -> None:

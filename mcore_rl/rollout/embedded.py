@@ -14,7 +14,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from mcore_rl.rollout.base import MEMORY_TAGS, Completion, SamplingParams, flatten, truncate_at_stop, unflatten
+from mcore_rl.rollout.base import (MEMORY_TAGS, Completion, Request, SamplingParams, flatten, truncate_at_stop,
+                                   unflatten)
 
 
 class EmbeddedRollout:
@@ -24,17 +25,29 @@ class EmbeddedRollout:
         self.actors, self.pad_id = actors, pad_id
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        return unflatten(self._sample(flatten(prompts, params), params), params.n)
+
+    def generate_requests(self, requests: list[Request]) -> list[Completion]:
+        """Requests as they are (a multi-turn round): those sampled alike but for the seed run as one batch."""
+        alike: dict[SamplingParams, list[int]] = {}
+        for k, r in enumerate(requests):
+            alike.setdefault(r.params.with_(seed=None), []).append(k)
+        out: list[Completion | None] = [None] * len(requests)
+        for params, ks in alike.items():
+            for k, c in zip(ks, self._sample([requests[k] for k in ks], params)):
+                out[k] = c
+        return out
+
+    def _sample(self, requests: list[Request], params: SamplingParams) -> list[Completion]:
         from mcore_rl.ppo import pad_prompts
 
-        requests = flatten(prompts, params)
         ids, mask = pad_prompts([list(r.prompt) for r in requests], self.pad_id)
         seeds = torch.tensor([r.params.seed or 0 for r in requests], dtype=torch.long)  # always seeded here
         outs = self.actors.call("run", sample_on_shards, ids, mask, seeds, params.max_new_tokens,
                                 params.temperature, params.top_p)
         tokens, logps = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
-        done = [truncate_at_stop(t, lp, params.stop_token_ids)
+        return [truncate_at_stop(t, lp, params.stop_token_ids)
                 for t, lp in zip(tokens[:, ids.shape[1]:].tolist(), logps.tolist())]
-        return unflatten(done, params.n)
 
     def release(self, tags=MEMORY_TAGS) -> None:
         pass  # the trainer's own weights: nothing to give back

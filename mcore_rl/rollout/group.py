@@ -41,6 +41,38 @@ def _wait(refs: list, what: str, names: list[str], timeout_s: float) -> list:
     return out
 
 
+def _wait_started(refs: list, names: list[str], logs: list[str | None], timeout_s: float) -> list:
+    """`_wait` for the engines' start-up that says on the console which are still starting, for how
+    long and what they are doing (`engine_start.latest_phase` of their logs): from PROGRESS_S seconds
+    on, when that changes (at most every PROGRESS_S) and otherwise every HEARTBEAT_S. An engine that
+    fails is reported as soon as it does, not after the slowest one has started."""
+    import ray
+
+    from mcore_rl.rollout.engine_start import HEARTBEAT_S, POLL_S, PROGRESS_S, latest_phase
+
+    t0 = time.monotonic()
+    pending, shown, shown_at = list(range(len(refs))), None, t0
+    while pending and (left := timeout_s - (time.monotonic() - t0)) > 0:
+        ready, _ = ray.wait([refs[i] for i in pending], num_returns=len(pending), timeout=min(POLL_S, left))
+        done = [i for i in pending if refs[i] in set(ready)]
+        _wait([refs[i] for i in done], "start-up", [names[i] for i in done], timeout_s)  # raises if one failed
+        pending = [i for i in pending if i not in done]
+        now = time.monotonic()
+        by_phase: dict = {}  # engine nodes doing the same share a line
+        for i in pending:
+            by_phase.setdefault(latest_phase(logs[i]), []).append(names[i])
+        changed = sorted(by_phase.items(), key=str) != shown
+        if pending and now - t0 >= PROGRESS_S and now - shown_at >= (PROGRESS_S if changed else HEARTBEAT_S):
+            for phase, who in by_phase.items():
+                who = who[0] if len(who) == 1 else f"{len(who)} engine nodes ({', '.join(who)})"
+                print(f"{who}: starting ({now - t0:.0f} s){': ' + phase if phase else ''}", flush=True)
+            shown, shown_at = sorted(by_phase.items(), key=str), now
+    out = _wait(refs, "start-up", names, max(0.0, timeout_s - (time.monotonic() - t0)))
+    if shown is not None:  # the lines above said they were starting: say they are up
+        print(f"{len(refs)} engine node(s) started in {time.monotonic() - t0:.0f} s", flush=True)
+    return out
+
+
 @dataclass
 class EngineTarget:
     """The engines as the weight sync drives them, from trainer rank 0 (picklable: Ray handles).
@@ -127,8 +159,9 @@ class EngineGroup:
             log = {LOG_ENV: log_file(log_dir, s.engine, s.node_rank)} if log_dir else {}
             self.actors.append(remote.options(**opts).remote(args_of(s), device, s.gpus, {**(env or {}), **log}))
         self.names = [f"{label} engine {s.engine} node {s.node_rank}" for s in slots]
+        logs = [log_file(log_dir, s.engine, s.node_rank) if log_dir else None for s in slots]
         try:  # constructing the engine happens in __init__; health() waits for it
-            self.info = _wait([a.health.remote() for a in self.actors], "start-up", self.names, start_timeout_s)
+            self.info = _wait_started([a.health.remote() for a in self.actors], self.names, logs, start_timeout_s)
         except EngineError as e:
             self.shutdown()
             if log_dir:  # what the engine said is in its log, not on the console

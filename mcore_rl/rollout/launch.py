@@ -14,6 +14,7 @@ import os
 from mcore_rl import config as C
 from mcore_rl.parallel import rendezvous_on
 from mcore_rl.rollout.embedded import EmbeddedRollout
+from mcore_rl.rollout.engine_kwargs import warn_overridden
 from mcore_rl.rollout.group import EngineGroup, EngineSlot
 from mcore_rl.rollout.placement import plan_placement
 from mcore_rl.rollout.weights import WeightSync
@@ -74,6 +75,10 @@ def _server(engine: str):
 
 def _group(cfg: C.Config, server_cls, slots: list[EngineSlot], layout: EngineLayout, gpu_share: float,
            args_of, label: str, env: dict, log_dir: str | None) -> EngineGroup:
+    from mcore_rl.rollout.jit_cache import DIR_ENV
+
+    if cfg.cluster.jit_cache_dir:
+        env = {**env, DIR_ENV: cfg.cluster.jit_cache_dir}
     return EngineGroup(server_cls, slots, args_of, device=cfg.cluster.device, tp_size=layout.tp_size,
                        timeout_s=cfg.rollout.timeout_s, start_timeout_s=cfg.rollout.start_timeout_s,
                        gpu_share=gpu_share, label=label, env=env, log_dir=log_dir)
@@ -87,6 +92,8 @@ def start_sglang(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout:
     from mcore_rl.rollout import sglang as S
 
     mem_fraction, kv_tokens = _engine_memory(cfg, plan)
+    warn_overridden(cfg.rollout.engine_kwargs, S.own_args(cfg, model_dir, layout, 0, None, mem_fraction, kv_tokens),
+                    "sglang")
     addrs = {s.engine: "%s:%d" % rendezvous_on(s.pg, s.bundle) for s in slots
              if s.node_rank == 0 and layout.nnodes > 1}
     return _group(cfg, S.SGLangServer, slots, layout, gpu_share,
@@ -102,7 +109,9 @@ def start_vllm(cfg: C.Config, model_dir: str, slots: list[EngineSlot], layout: E
 
     if layout.nnodes > 1:
         raise PlanError(f"a vLLM engine runs on one node; this placement spreads one over {layout.nnodes}")
-    args = V.engine_args(cfg, model_dir, layout, _engine_memory(cfg, plan)[0])
+    mem_fraction = _engine_memory(cfg, plan)[0]
+    warn_overridden(cfg.rollout.engine_kwargs, V.own_args(cfg, model_dir, layout, mem_fraction), "vllm")
+    args = V.engine_args(cfg, model_dir, layout, mem_fraction)
     return _group(cfg, V.VLLMServer, slots, layout, gpu_share, lambda s: args, "vLLM", V.engine_env(cfg, layout),
                   log_dir)
 

@@ -52,6 +52,15 @@ def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], plain
     return out_dir
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+
+
+def has_weights(model_dir: str) -> bool:
+    """Whether `model_dir` holds weight files. Without them (an embedded config's init_hf) an engine
+    builds its layers with a dummy load and gets its weights from the first sync."""
+    return any(glob.glob(os.path.join(model_dir, pattern)) for pattern in WEIGHT_FILES)
+
+
 def _has_scaling(cfg: dict) -> bool:
     kinds = [(cfg.get(k) or {}).get("rope_type") or (cfg.get(k) or {}).get("type")
              for k in ("rope_scaling", "rope_parameters")]

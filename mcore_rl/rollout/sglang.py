@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from mcore_rl import config as C
 from mcore_rl.parallel import free_port
-from mcore_rl.rollout import engine_logs, model_files
+from mcore_rl.rollout import engine_logs, engine_start, jit_cache, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.rollout.spawn import children_forked, children_skip_main
@@ -88,10 +88,29 @@ class EngineLaunch:
         return out
 
 
+# engine arguments we only default (rollout.engine_kwargs replaces them; an SGLang without one runs
+# without it). enforce_disable_flashinfer_allreduce_fusion: SGLang fuses each TP all-reduce with the
+# residual add and RMSNorm through flashinfer's TRT-LLM kernels for DeepSeek-V3, Qwen3-MoE and GLM-4.5 at
+# TP > 1 on Hopper/Blackwell, a JIT module that each fresh node compiles for minutes in silence before the
+# first request (4 x H200, TP 4, Moonlight, issue 45). At our decode batches (<= cuda_graph_max_bs rows of a
+# 2048-5120 wide hidden state) each fused all-reduce saves microseconds of a step of milliseconds.
+GPU_DEFAULTS = {"enforce_disable_flashinfer_allreduce_fusion": True}
+
+
 def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_init_addr: str | None,
                 mem_fraction: float, kv_tokens: int | None = None) -> dict:
     """`sglang.Engine(**...)` for node `node_rank` of an engine with `layout`, from the config; on GPUs
-    `kv_tokens` (the memory plan's) caps its KV pool."""
+    `kv_tokens` (the memory plan's) caps its KV pool. rollout.engine_kwargs go in between our defaults
+    and our own settings (mcore_rl.rollout.engine_kwargs)."""
+    from mcore_rl.rollout.engine_kwargs import merge
+
+    ours = own_args(cfg, model_dir, layout, node_rank, dist_init_addr, mem_fraction, kv_tokens)
+    return merge(GPU_DEFAULTS if cfg.cluster.device == "gpu" else {}, cfg.rollout.engine_kwargs, ours)
+
+
+def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_init_addr: str | None,
+              mem_fraction: float, kv_tokens: int | None) -> dict:
+    """The settings the run depends on (they win over rollout.engine_kwargs)."""
     r = cfg.rollout
     args = dict(model_path=model_dir, tp_size=layout.tp_size, ep_size=layout.ep_size, nnodes=layout.nnodes,
                 node_rank=node_rank, dtype=DTYPE_NAMES[cfg.model.dtype], random_seed=cfg.trainer.seed,
@@ -99,10 +118,11 @@ def engine_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_
                 chunked_prefill_size=r.chunked_prefill_size, log_level=r.log_level)
     if dist_init_addr:
         args["dist_init_addr"] = dist_init_addr
-    if r.weight_dtype == "fp8":  # the files hold bf16 weights; FP8 layers get theirs from the first sync
+    # the files hold bf16 weights, FP8 layers get theirs from the first sync; or there are no files
+    if r.weight_dtype == "fp8" or not model_files.has_weights(model_dir):
         args["load_format"] = "dummy"
-        if r.fp8_kernels == "deep_gemm_moe":  # SGLang's auto picks DeepGEMM's MoE runner only with DeepEP
-            args["moe_runner_backend"] = "deep_gemm"
+    if r.weight_dtype == "fp8" and r.fp8_kernels == "deep_gemm_moe":  # SGLang's auto picks it only with DeepEP
+        args["moe_runner_backend"] = "deep_gemm"
     if C.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
@@ -163,10 +183,14 @@ def server_arg_names() -> set[str]:
 
 
 def adapt_args(args: dict, known: set[str]) -> dict:
-    """`args` in the names this SGLang's ServerArgs knows; an argument it knows under no name is an error."""
+    """`args` in the names this SGLang's ServerArgs knows; an argument it knows under no name is an error,
+    but for our defaults (GPU_DEFAULTS), which an SGLang without them runs without."""
     out = {}
     for k, v in args.items():
         name = k if k in known else next((a for a in ARG_ALIASES.get(k, ()) if a in known), None)
+        if name is None and k in GPU_DEFAULTS:
+            print(f"[mcore_rl] this SGLang has no engine argument {k}: running without it", flush=True)  # its log
+            continue
         if name is None:
             raise EngineError(f"this SGLang has no engine argument {k!r} (nor {ARG_ALIASES.get(k, ())})")
         out[name] = v
@@ -177,6 +201,8 @@ def sampling_dict(r: Request) -> dict:
     p = r.params
     out = {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens,
            "stop_token_ids": list(p.stop_token_ids), "n": 1}
+    if p.ignore_eos:  # SGLang's flag also drops stop_token_ids: every response runs to max_new_tokens
+        out["ignore_eos"] = True
     if p.seed is not None:
         out["sampling_seed"] = p.seed
     return out
@@ -219,6 +245,8 @@ class SGLangServer:
                  env: dict | None = None):
         os.environ.update(env or {})
         engine_logs.to_log_file()  # before SGLang is imported: its import warnings too
+        jit_cache.apply(os.environ.get(jit_cache.DIR_ENV))
+        engine_start.mark("importing SGLang")
         if visible_devices is not None:  # the engine's GPUs, by physical index (Ray gives us one)
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         # SGLang's spawned processes take this process's sys.path: the plugin must be on it
@@ -246,14 +274,17 @@ class SGLangServer:
         self.nccl_port = engine_args.get("nccl_port")
         engine_args = adapt_args(engine_args, known)
         t0 = time.perf_counter()
+        engine_start.mark(f"starting SGLang {self.version}'s engine: model, KV cache"
+                          + (", CUDA graphs" if device == "gpu" else ""))
         if device == "cpu":
             from sglang.srt.entrypoints import engine as engine_module
 
             start = children_forked(engine_module)
         else:
             start = children_skip_main()
-        with start:
+        with start, engine_start.CompileWatch():
             self.engine = sglang.Engine(**engine_args)
+        engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
         self.start_seconds = time.perf_counter() - t0
         self.route_shape = None  # (layers, top-k) of the routed experts it returns
         if engine_args.get("enable_return_routed_experts"):
@@ -278,7 +309,8 @@ class SGLangServer:
                 experts = decode_routes(meta, len(r.prompt) + len(o["output_ids"]) - 1, *self.route_shape,
                                         f"SGLang {self.version} node {self.node_rank}")
             done.append(Completion(list(o["output_ids"]), [lp[0] for lp in meta["output_token_logprobs"]],
-                                   "stop" if reason == "stop" else "length", experts))
+                                   "stop" if reason == "stop" else "length", experts,
+                                   cached_tokens=meta.get("cached_tokens")))
         return done
 
     # ---- weight updates (the WeightTarget entry points, for this engine) ---------------------------

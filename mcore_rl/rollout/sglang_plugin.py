@@ -19,6 +19,8 @@ model is built.
   bucket copied straight into this rank's parameters by the read-back's own placement table
   (mcore_rl.sync.engine_layout.load_direct) instead of SGLang's `load_weights`, whose name matching
   costs tens of microseconds a tensor (384 tensors a layer of Qwen3-30B-A3B's experts).
+- `Scheduler.mcore_rl_capture_hidden(path, tokens)`: each decoder layer's output in the next prefill of
+  `tokens` tokens, to `path.tp{rank}.pt` (benchmarks/hidden_gap.py: engine against trainer, layer by layer).
 - `Scheduler.mcore_rl_check_idle()`: fails unless every TP rank of the engine is fully idle.
   SGLang asserts idleness inside the scheduler when asked to release memory, and a failed assert
   there kills the scheduler and then the engine's process (seen right after `generate` returned);
@@ -135,6 +137,42 @@ def _scheduler_refresh_derived(self) -> None:
     refresh_fp32_copies(model)
 
 
+def capture_hidden(model, out: str, tokens: int) -> list:
+    """Forward hooks that keep, from the next forward of `tokens` tokens (a prefill), the residual
+    stream after each decoder layer (SGLang's layers return (hidden, residual, ...), added by the next
+    layer's fused norm: their sum is the stream) and write them, stacked [layers, tokens, hidden] fp32,
+    to `out` atomically; the hooks remove themselves. Returns the handles."""
+    import torch
+
+    layers = model.model.layers
+    kept, handles = {}, []
+
+    def keep(i):
+        def hook(module, args, output):
+            parts = output if isinstance(output, tuple) else (output,)  # 0.5.20's DeepSeek layers add topk ids
+            hidden = parts[0]
+            residual = parts[1] if len(parts) > 1 and isinstance(parts[1], torch.Tensor) else None
+            if hidden.shape[0] != tokens or i in kept:  # another batch (a warm-up, a decode step)
+                return
+            stream = hidden if residual is None else hidden + residual  # before the next layer adds in place
+            kept[i] = stream.detach().float().cpu()
+            if len(kept) == len(layers):
+                for h in handles:
+                    h.remove()
+                torch.save(torch.stack([kept[k] for k in range(len(layers))]), out + ".tmp")
+                os.replace(out + ".tmp", out)
+        return hook
+
+    handles += [layer.register_forward_hook(keep(i)) for i, layer in enumerate(layers)]
+    return handles
+
+
+def _scheduler_capture_hidden(self, path: str, tokens: int) -> None:
+    out = f"{path}.tp{_tp_rank(self)}.pt"
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    capture_hidden(self.tp_worker.model_runner.model, out, tokens)
+
+
 def _scheduler_check_idle(self) -> None:
     if not _on_every_rank(self, self.is_fully_idle()):  # all must be idle for the release
         raise RuntimeError("not idle")
@@ -166,6 +204,7 @@ def register() -> None:
     Scheduler.mcore_rl_check_idle = _scheduler_check_idle
     Scheduler.mcore_rl_refresh_derived = _scheduler_refresh_derived
     Scheduler.mcore_rl_load_bucket = _scheduler_load_bucket
+    Scheduler.mcore_rl_capture_hidden = _scheduler_capture_hidden
     if os.environ.get("MCORE_RL_SEEDED_SAMPLING") == "1":
         _seeded_sampling()
     if os.environ.get("MCORE_RL_SGLANG_CPU") == "1":

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 
-from mcore_rl.rollout import engine_logs, model_files
+from mcore_rl.rollout import engine_logs, engine_start, jit_cache, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.rollout.spawn import children_skip_main
@@ -47,12 +47,22 @@ def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], devic
 
 
 def engine_args(cfg, model_dir: str, layout: EngineLayout, mem_fraction: float) -> dict:
-    """`vllm.LLM(**...)` for an engine with `layout`, from the config."""
+    """`vllm.LLM(**...)` for an engine with `layout`, from the config: rollout.engine_kwargs, and over
+    them our own settings (mcore_rl.rollout.engine_kwargs)."""
+    from mcore_rl.rollout.engine_kwargs import merge
+
+    return merge({}, cfg.rollout.engine_kwargs, own_args(cfg, model_dir, layout, mem_fraction))
+
+
+def own_args(cfg, model_dir: str, layout: EngineLayout, mem_fraction: float) -> dict:
+    """The settings the run depends on (they win over rollout.engine_kwargs)."""
     r = cfg.rollout
     args = dict(model=model_dir, tensor_parallel_size=layout.tp_size, dtype=DTYPE_NAMES[cfg.model.dtype],
                 seed=cfg.trainer.seed, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                 worker_extension_cls=WORKER_EXTENSION,
                 distributed_executor_backend="mp")  # its own worker processes: inside a Ray actor it would pick Ray
+    if not model_files.has_weights(model_dir):  # an embedded config's: the first sync brings the weights
+        args["load_format"] = "dummy"
     if cfg.cluster.device == "cpu":
         from mcore_rl.memory.planner import kv_bytes_per_token
         from mcore_rl.models.config import HFModel
@@ -102,11 +112,12 @@ def sampling_params(r: Request):
                           detokenize=False)
 
 
-def completion(out) -> Completion:
-    """A vLLM CompletionOutput -> Completion (the log-prob of each sampled token)."""
+def completion(out, cached_tokens: int | None = None) -> Completion:
+    """A vLLM CompletionOutput -> Completion (the log-prob of each sampled token); cached_tokens: its
+    RequestOutput's num_cached_tokens (prefix-cache hits)."""
     tokens = list(out.token_ids)
     return Completion(tokens, [step[t].logprob for step, t in zip(out.logprobs, tokens)],
-                      "stop" if out.finish_reason == "stop" else "length")
+                      "stop" if out.finish_reason == "stop" else "length", cached_tokens=cached_tokens)
 
 
 class VLLMServer:
@@ -118,6 +129,8 @@ class VLLMServer:
                  env: dict | None = None):
         os.environ.update(env or {})
         engine_logs.to_log_file()  # before vLLM is imported: its import warnings too
+        jit_cache.apply(os.environ.get(jit_cache.DIR_ENV))
+        engine_start.mark("importing vLLM")
         if visible_devices is not None:  # the engine's GPUs, by physical index
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         # a temp dir of its own: vLLM's processes leave files in it (vllm_dist_*) when one is killed
@@ -127,8 +140,11 @@ class VLLMServer:
 
         self.version, self.device = vllm.__version__, device
         t0 = time.perf_counter()
-        with children_skip_main():
+        engine_start.mark(f"starting vLLM {self.version}'s engine: model, KV cache"
+                          + (", compile, CUDA graphs" if device == "gpu" else ""))
+        with children_skip_main(), engine_start.CompileWatch():
             self.llm = vllm.LLM(**engine_args)
+        engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
         self.start_seconds = time.perf_counter() - t0
         self.asleep = False
 
@@ -172,7 +188,7 @@ class VLLMServer:
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         outs = self._watched("generate", self.llm.generate, prompts, [sampling_params(r) for r in requests],
                              use_tqdm=False)
-        return [completion(o.outputs[0]) for o in outs]
+        return [completion(o.outputs[0], getattr(o, "num_cached_tokens", None)) for o in outs]
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The log-prob of each token of each sequence after its prefix (untempered): len - 1 values."""

@@ -37,22 +37,30 @@ def _metas(wire: list[dict]) -> list[Meta]:
             for m in wire]
 
 
-def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of every tensor in the safetensors files of `model_dir` (headers only)."""
+def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...] | None]:
+    """{name: shape} of every tensor in the safetensors files of `model_dir` (headers only). A dir
+    without them (an embedded config's, dummy-loaded): the HF names its config maps to, shapes unknown."""
     from safetensors import safe_open
 
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        from converters.mappings import mapping_for
+        from mcore_rl.models.config import HFModel
+
+        hf = HFModel.from_dir(model_dir)
+        return {name: None for p in mapping_for(hf).params(hf) for name in p.hf}
     out = {}
-    for f in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+    for f in files:
         with safe_open(f, "pt") as st:
             out.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
     return out
 
 
-def check_update(staged: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Problems that would break vLLM's reload: unknown names, wrong shapes, a partial model."""
+def check_update(staged: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...] | None]) -> list[str]:
+    """Problems that would break vLLM's reload: unknown names, wrong shapes (where known), a partial model."""
     problems = [f"{n}: not in this model's checkpoint" for n in sorted(set(staged) - set(expected))]
-    problems += [f"{n}: shape {tuple(t.shape)}, the checkpoint has {expected[n]}"
-                 for n, t in sorted(staged.items()) if n in expected and tuple(t.shape) != expected[n]]
+    problems += [f"{n}: shape {tuple(t.shape)}, the checkpoint has {expected[n]}" for n, t in sorted(staged.items())
+                 if expected.get(n) is not None and tuple(t.shape) != expected[n]]
     missing = sorted(set(expected) - set(staged))
     if missing:
         problems.append(f"{len(missing)} of the checkpoint's tensors were not sent (a partial update would leave "

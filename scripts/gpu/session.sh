@@ -131,6 +131,38 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         trainer.save_freq=10 trainer.max_checkpoints=1 trainer.test_freq=-1 trainer.val_before_train=false "${EXTRA[@]}" 2>&1 | quiet \
         | grep -v "^step .* | timing/" | cut -c1-400 | tail -25
       cp /tmp/run50/metrics.jsonl "$OUT/run50_metrics.jsonl"; ls /tmp/run50/checkpoints ;;
+    full27)  # issue 45: the whole Moonlight (27 layers) on 4 GPUs (nvidia-h200-x4; CONFIG=configs/moonlight_4gpu_h100.yaml
+      # on nvidia-h100-x4), one engine layout a call: LAYOUT=tp1 (4 x TP1), tp4 (1 x TP4), tp4ep4 (1 x TP4, EP 4 inside
+      # the engine) or tp4x2nodes (1 x TP4 over two raylets of 2 GPUs on this host, the engine's nnodes=2; each
+      # "node" plans half the host's RAM); R3=1 with actor.routing_replay=true. JSON (phase seconds, start, memory
+      # against the plan, first sync read-back, log-prob gap), console log and engine logs under $OUT/full27_*
+      FULL=(rollout.tp_size=1); RUN=()
+      case ${LAYOUT:-tp1} in
+        tp1) ;;
+        tp4) FULL=(rollout.tp_size=4) ;;
+        tp4ep4) FULL=(rollout.tp_size=4 rollout.ep_size=4) ;;
+        tp4x2nodes) FULL=(cluster.nnodes=2 cluster.n_gpus_per_node=2 rollout.tp_size=4
+                          cluster.host_memory_gb=$(( $(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo) / 2 )))
+                    RUN=(python3 scripts/gpu/raylets.py --nodes 2 --gpus-per-node 2 --) ;;
+        *) echo "full27: unknown LAYOUT=$LAYOUT (tp1, tp4, tp4ep4, tp4x2nodes)"; exit 2 ;;
+      esac
+      name=full27_${LAYOUT:-tp1}${R3:+_r3}${TAG:-}
+      timeout "${LIMIT:-590}" "${RUN[@]}" "${PY[@]}" benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
+        --out "$OUT/$name.json" --logs "$OUT/${name}_engine_logs" --no-engine-alone "${FULL[@]}" \
+        trainer.total_training_steps="${STEPS:-3}" ${R3:+actor.routing_replay=true} "${EXTRA[@]}" 2>&1 | quiet \
+        | tee "$OUT/$name.log" | tail -60
+      ls "${HOME}/.cache/mcore_rl/jit" 2>/dev/null | sed 's/^/jit cache: /' ;;
+    hidden_gap)  # issue 45 item 5: engine against trainer, layer by layer, on the same weights and tokens, 27 Moonlight
+      # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU); live routing and R3
+      timeout "${LIMIT:-590}" python3 benchmarks/hidden_gap.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
+        --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay rollout.tp_size=1 rollout.ep_size=1 \
+        "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/hidden_gap${TAG:-}.log" | tail -75 ;;
+    loopx)  # the loop on CONFIG with EXTRA_OVERRIDES as given, as NAME; RAYLETS=NxG runs it over N raylets of G GPUs
+      # (the engine's nnodes=N when its TP spans them), e.g. the 2 x H200 engine layouts at the depth that fits there
+      RUN=(); [ -n "${RAYLETS:-}" ] && RUN=(python3 scripts/gpu/raylets.py --nodes "${RAYLETS%x*}" --gpus-per-node "${RAYLETS#*x}" --)
+      timeout "${LIMIT:-590}" "${RUN[@]}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+        --out "$OUT/${NAME:-loopx}.json" --logs "$OUT/${NAME:-loopx}_logs" --no-engine-alone "${EXTRA[@]}" 2>&1 | quiet \
+        | tee "$OUT/${NAME:-loopx}.log" | tail -60 ;;
     loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -2,7 +2,9 @@
 at another; a save stages no copy of the state on the host; a run resumes bit-exactly from its
 last complete checkpoint, skips incomplete ones with a warning naming them, never crashes over
 leftovers, refuses to mix a fresh run into a used directory, and survives being killed while a
-background save is being written."""
+background save is being written. Issue 50: a resume with a changed model is refused and the old
+one still resumes exactly; SIGTERM stops a run with one line, a second run in its directory is
+refused naming its pid, and a disk that fills during a save leaves the checkpoint before whole."""
 
 from __future__ import annotations
 
@@ -264,11 +266,13 @@ def base(tmp_path_factory):
     return out
 
 
-def test_a_resume_past_an_incomplete_checkpoint_and_leftovers_is_bit_exact(base, tmp_path):
+def test_a_resume_past_an_incomplete_checkpoint_and_leftovers_is_bit_exact(base, tmp_path, capsys):
     """The finished run as if killed while writing step 4's checkpoint: a truncated shard in it and
-    a leftover .tmp. The run warns, resumes from step 2, saves step 4 again over the incomplete one,
-    and ends with both complete; its steps 3 and 4, and the weights and optimizer states after step
-    4 byte for byte, are those of the run that was never stopped. (One run for what were two, each
+    a leftover .tmp. Runs with a changed model (hidden_size, n_routed_experts) are refused first,
+    naming the change, and touch nothing. The run with the old model warns, resumes from step 2,
+    saves step 4 again over the incomplete one, and ends with both complete; its steps 3 and 4, and
+    the weights and optimizer states after step 4 byte for byte, are those of the run that was
+    never stopped. (One run for what were two, each
     resumed from step 2: this and a clean stop after step 2's checkpoint.)"""
     from mcore_rl import run_checkpoints as rc
 
@@ -278,6 +282,7 @@ def test_a_resume_past_an_incomplete_checkpoint_and_leftovers_is_bit_exact(base,
     shard = os.path.join(ckpts, "step_4", "model", "__0_0.distcp")
     os.truncate(shard, os.path.getsize(shard) - 1)
     os.makedirs(os.path.join(ckpts, "step_6.tmp", "model"))
+    _a_changed_model_is_refused(out, capsys)
     log = _ran(out)
     assert f"skipping incomplete checkpoint {os.path.join(ckpts, 'step_4')}" in log
     assert "resumed from" in log and log.split("resumed from")[1].split()[0].endswith("step_2")
@@ -302,6 +307,33 @@ def test_a_resume_past_an_incomplete_checkpoint_and_leftovers_is_bit_exact(base,
                 for p, q in zip(x["pieces"], y["pieces"]):
                     assert p["key"] == q["key"] and all(torch.equal(p["tensors"][k], q["tensors"][k])
                                                         for k in p["tensors"])
+
+
+def _tree(root: str) -> dict[str, bytes]:
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            with open(os.path.join(d, n), "rb") as f:
+                out[os.path.relpath(os.path.join(d, n), root)] = f.read()
+    return out
+
+
+def _a_changed_model_is_refused(out: str, capsys) -> None:
+    """The model changed between two runs in `out`: each change refused in one line naming it, the
+    directory byte for byte as it was (the caller then resumes the old model from it)."""
+    from mcore_rl import train
+
+    before = _tree(out)
+    held = os.path.join(out, "checkpoints", "step_2", "model", "hf", "config.json")  # the newest complete one
+    for change, says in (("model.hf_config.hidden_size=96", "hidden_size (64 -> 96)"),
+                         ("model.hf_config.n_routed_experts=8", "n_routed_experts (4 -> 8)")):
+        capsys.readouterr()
+        assert train.main(["--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), f"trainer.output_dir={out}",
+                           "rollout.engine=embedded", change]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: {out}: the model differs from the one this run directory holds ({held}): {says}; "
+                       "keep the old model settings to resume it, or start afresh in a new trainer.output_dir"), err
+    assert _tree(out) == before
 
 
 @pytest.mark.parametrize("fault", ["truncated_shard", "missing_optimizer_rank", "missing_trainer_state",
@@ -390,9 +422,99 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_writing(base, tmp_path, m
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(rc.shutil, "disk_usage", lambda _: usage(1 << 40, 1 << 40, 1 << 10))
     ckpt = rc.Checkpointer(root, group=None, hf_dir=os.path.join(base, "init_hf"))
-    with pytest.raises(rc.CheckpointError, match="a checkpoint needs about .* GiB and 0.0 GiB are free"):
+    with pytest.raises(rc.CheckpointError, match="a checkpoint needs about .* MiB and 1.0 KiB are free"):
         ckpt.begin(6, {})
     assert sorted(os.listdir(root)) == ["step_2", "step_4"]  # nothing written
+
+
+def _wait_for_step(p, out: str, step: int, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert p.poll() is None, p.communicate()[0][-3000:]
+        if os.path.exists(os.path.join(out, "metrics.jsonl")) and "reward/mean" in _steps(out).get(step, {}):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never trained")
+
+
+NATIVE_DUMP = ("*** SIGTERM received", "*** SIGINT received", "PC: @", "Fatal Python error", "Traceback")
+
+
+def test_sigterm_stops_a_run_in_one_line_and_a_second_run_is_refused_meanwhile(base, tmp_path, capsys):
+    """The base run goes on to step 8. While it trains, a second run in its directory is refused in one
+    line naming the first run's pid, writing nothing. SIGTERM then stops the first within a minute
+    (exit 143): one line saying at which step it stopped and which complete checkpoint the same
+    command resumes from; no native stack dump (Ray's failure handler), no traceback; its lock file
+    released."""
+    from mcore_rl import run_checkpoints as rc
+    from mcore_rl import train
+    from mcore_rl.run_dir import LOCK
+
+    out = str(tmp_path / "run")
+    shutil.copytree(base, out)
+    p = _train(out, "trainer.total_training_steps=8", start_new_session=True)
+    try:
+        _wait_for_step(p, out, 5)
+        capsys.readouterr()
+        assert train.main(["--config", os.path.join(ROOT, "configs", "tiny_cpu.yaml"), f"trainer.output_dir={out}",
+                           "rollout.engine=embedded"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: {out}: another run (pid {p.pid}) is using this trainer.output_dir; wait for it to "
+                       "end, stop it, or choose another trainer.output_dir"), err
+        os.kill(p.pid, signal.SIGTERM)
+        t0 = time.time()
+        log, _ = p.communicate(timeout=120)
+        assert time.time() - t0 < 60
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM, log[-3000:]
+    assert not [w for w in NATIVE_DUMP if w in log], log[-3000:]
+    errors = [ln for ln in log.splitlines() if ln.startswith("error:")]
+    newest = rc.latest(os.path.join(out, "checkpoints"), warn=lambda _: None)
+    assert len(errors) == 1, log[-3000:]  # (actors' log lines Ray forwards may come after it)
+    when, stopped = errors[0].split("stopped by SIGTERM ")[1].split()[:3:2]  # during/after, the step
+    assert when in ("during", "after") and int(stopped) >= 5 and errors[0] == (
+        f"error: stopped by SIGTERM {when} step {stopped} of 8; the newest complete checkpoint is {newest[1]} "
+        f"(step {newest[0]}): the same command resumes from it"), errors[0]
+    assert not os.path.exists(os.path.join(out, LOCK))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of its own (as root; skipped where it cannot be mounted), unmounted after."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("a full disk is simulated on a tmpfs of its own, which needs root and mount")
+    yield str(path)
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_disk_that_fills_during_a_save_leaves_the_checkpoint_before_whole(base, small_disk):
+    """The base run goes on to step 6 on a disk with a few free inodes: enough to start and train,
+    not for step 6's checkpoint files (a disk filling mid-save: the space check before it passes).
+    The run stops (exit 1) with one line naming the step, the cause and the complete checkpoint the
+    same command resumes from; that checkpoint stays whole, the partial one is removed."""
+    from mcore_rl import run_checkpoints as rc
+
+    out = os.path.join(small_disk, "run")
+    shutil.copytree(base, out)
+    fs = os.statvfs(small_disk)
+    used = fs.f_files - fs.f_ffree
+    # the run takes a lock file and rewrites metrics.jsonl through a temporary one: room for those only
+    subprocess.run(["mount", "-o", f"remount,nr_inodes={used + 3}", small_disk], check=True)
+    log, _ = (p := _train(out, "trainer.total_training_steps=6")).communicate(timeout=600)
+    ckpts = os.path.join(out, "checkpoints")
+    errors = [ln for ln in log.splitlines() if ln.startswith("error:")]
+    assert p.returncode == 1 and len(errors) == 1 and "Traceback" not in log, log[-3000:]
+    assert errors[0].startswith(f"error: {ckpts}: saving step 6 failed (") and "No space left on device" in errors[0]
+    assert errors[0].endswith(f"{os.path.join(ckpts, 'step_4')} (step 4) is complete: free space or make {ckpts} "
+                              "writable, then the same command resumes from it"), errors[0]
+    assert rc.latest(ckpts, warn=lambda _: None) == (4, os.path.join(ckpts, "step_4"))
+    assert sorted(os.listdir(ckpts)) == ["step_2", "step_4"]
 
 
 def test_save_freq_and_the_last_step_decide_which_steps_save():

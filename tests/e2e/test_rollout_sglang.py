@@ -16,7 +16,8 @@ from tests.support import rollout_checks as R
 from tests.support.rollout_checks import ray_cluster  # noqa: F401 - a fixture
 
 models, ds_two = R.engine_fixtures("sglang", start_sglang, engine_model_dir, ("deepseek_v3", "qwen2"))
-tp2 = R.tp2_fixture("sglang", start_sglang, "qwen2")
+# an engine argument of SGLang's own, passed through: that engine returns hidden states on request
+tp2 = R.tp2_fixture("sglang", start_sglang, "qwen2", engine_kwargs={"enable_return_hidden_states": True})
 
 
 class TestEngineContract(R.EngineContract):
@@ -60,6 +61,27 @@ def test_tp2_engine_equals_transformers(tp2, models):
     assert sorted(digests) == [0, 1]  # both ranks read back
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert digests[0][qkv][1] == [64, 64] and digests[0][qkv][3:] != digests[1][qkv][3:]  # split over TP
+
+
+def _hidden_states(server):
+    """Run in an engine actor: SGLang's hidden states of a prompt's tokens, asked of the engine itself."""
+    out = server.engine.generate(input_ids=[[11, 12, 13]], sampling_params={"max_new_tokens": 2, "temperature": 0.0},
+                                 return_hidden_states=True)
+    return out[0]["meta_info"]["hidden_states"]
+
+
+def test_engine_kwargs_reach_the_engine(tp2, ds_two):
+    """rollout.engine_kwargs.enable_return_hidden_states (tp2's config): that engine answers a request for
+    hidden states with a 64-wide row for each token it generates; ds_two, started without it, refuses."""
+    import numpy as np
+    import pytest
+
+    hidden = tp2.ray.get(tp2.heads[0].__ray_call__.remote(_hidden_states))
+    rows = np.concatenate([np.asarray(h, dtype=np.float32).reshape(-1, 64) for h in hidden])
+    assert rows.shape == (2, 64) and np.isfinite(rows).all() and np.abs(rows).sum() > 0, rows.shape  # a row a token out
+    with pytest.raises(Exception, match="not configured to return hidden states"):
+        ds_two.ray.get(ds_two.heads[0].__ray_call__.remote(_hidden_states))
+    assert all(h["alive"] for h in ds_two.health())
 
 
 def test_hung_and_killed_engines_are_clear_errors(ray_cluster, tp2):  # noqa: F811 - fixtures

@@ -23,7 +23,8 @@ from tests.support import rollout_checks as R
 from tests.support.rollout_checks import ray_cluster  # noqa: F401 - a fixture
 
 models, ds_two = R.engine_fixtures("vllm", start_vllm, engine_model_dir, ("deepseek_v3_vllm", "qwen2_vllm"))
-tp2 = R.tp2_fixture("vllm", start_vllm, "qwen2_vllm")
+# an engine argument of vLLM's own, passed through: that engine's sequences end at 256 tokens, not 512
+tp2 = R.tp2_fixture("vllm", start_vllm, "qwen2_vllm", engine_kwargs={"max_model_len": 256})
 
 
 class TestEngineContract(R.EngineContract):
@@ -149,6 +150,15 @@ def test_a_bad_update_is_refused_and_the_engine_keeps_its_weights(ds_two, models
 
 def test_tp2_engine_equals_transformers(tp2, models):
     R.check_against_transformers(tp2, models["qwen2_vllm"][0])
+
+
+def test_engine_kwargs_reach_the_engine(tp2):
+    """rollout.engine_kwargs.max_model_len=256 (tp2's config): asked for 400 tokens after a 4-token prompt,
+    the engine stops where its context ends, at 252 (the model's own 512 would allow all 400)."""
+    from mcore_rl.rollout.base import SamplingParams
+
+    out = tp2.generate([R.PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=400))[0][0]
+    assert len(R.PROMPTS[0]) == 4 and len(out.token_ids) == 252 and out.finish_reason == "length"
 
 
 def test_hung_and_killed_engines_are_clear_errors(ray_cluster, tp2):  # noqa: F811 - fixtures

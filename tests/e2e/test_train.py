@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,8 +20,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _train(out, *overrides, env=None, **popen):
-    cmd = [sys.executable, "-m", "mcore_rl.train", "--config", "configs/tiny_cpu.yaml",
+def _train(out, *overrides, env=None, config="configs/tiny_cpu.yaml", **popen):
+    cmd = [sys.executable, "-m", "mcore_rl.train", "--config", config,
            f"trainer.output_dir={out}", *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **(env or {})), **popen)
@@ -66,11 +67,31 @@ def _step_numbers(log: str) -> list[int]:
 CHECKPOINT_LOAD_WARNING = "FutureWarning: `load_state_dict` is deprecated"
 
 
+START_PHASES = ("starting Ray, placing the trainer", "writing the model's config",
+                "building the trainer's model (2 ranks)", "making the optimizer", "offloading the trainer's states",
+                "starting the sglang engines", "first weight sync")
+
+
+def _check_start(log: str, phases: tuple[str, ...], first_step: int) -> None:
+    """The start-up's progress: one line per phase with its seconds, in the order they ran (a phase
+    still running after 5 s also said so before), then the seconds to the first step."""
+    from mcore_rl.console import start_record
+
+    rec = start_record(log.splitlines())
+    assert [name for name, _ in rec["phases"]] == list(phases) and rec["failed"] is None, log
+    running = re.findall(r"^start: (.+) \.\.\.$", log, re.M)
+    assert set(running) <= set(phases) and len(running) == len(set(running)), log
+    assert rec["ready_for_step"] == first_step and rec["ready_s"] >= sum(s for _, s in rec["phases"]) - 0.5, log
+    first_line = next(i for i, ln in enumerate(log.splitlines()) if ln.startswith("step "))
+    assert all(not ln.startswith("start: ") for ln in log.splitlines()[first_line:]), log
+
+
 def _check_console(log: str, steps: list[int], allowed: tuple[str, ...] = ()) -> None:
-    """A console a person can read: one short line a step (exactly `steps`), a few lines besides,
-    no warnings (but lines holding one of `allowed`), the engines' output in files of their own."""
+    """A console a person can read: one short line a step (exactly `steps`), a few lines besides
+    (the start-up's progress, `_check_start`, apart), no warnings (but lines holding one of
+    `allowed`), the engines' output in files of their own."""
     lines = log.splitlines()
-    assert len(lines) <= len(steps) + 15, log
+    assert len([ln for ln in lines if not ln.startswith("start: ")]) <= len(steps) + 15, log
     assert not [ln for ln in lines if "warn" in ln.lower() and not any(a in ln for a in allowed)], log
     assert _step_numbers(log) == steps, log
     assert all(len(ln) < 100 for ln in lines if ln.startswith("step ")), log
@@ -137,6 +158,8 @@ def test_tiny_grpo_learns_with_sglang_and_resumes_after_sigkill(tmp_path):
     assert printed and printed[0] == 1, first_log
     _check_console(first_log, list(range(1, len(printed) + 1)))
     _check_console(log, list(range(11, 31)), allowed=(CHECKPOINT_LOAD_WARNING,))
+    _check_start(first_log, START_PHASES, 1)
+    _check_start(log, START_PHASES[:4] + ("loading checkpoint step_10",) + START_PHASES[4:], 11)  # the resume
     assert sorted(os.listdir(os.path.join(out, "logs"))) == ["engine_0_node0.log", "engine_1_node0.log"]
 
 

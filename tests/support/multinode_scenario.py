@@ -92,19 +92,20 @@ def _greedy_one_node(model_dir: str, device: str, out: str) -> None:
     Path(out).write_text(json.dumps([c.token_ids for c in done]))
 
 
-def start_cluster(device: str, temp: str, count: int = 2, cpus: int = 1):
-    """`count` raylets on loopback; on GPUs one GPU each (its CUDA_VISIBLE_DEVICES set as it starts,
-    so Ray's GPU ids are physical ids), on CPU `cpus` CPUs each (a trainer rank takes one)."""
+def start_cluster(device: str, temp: str, count: int = 2, cpus: int = 1, gpus: int = 1, object_store_mb: int = 200):
+    """`count` raylets on loopback; on GPUs `gpus` GPUs each (raylet k: GPUs k*gpus .. (k+1)*gpus - 1, its
+    CUDA_VISIBLE_DEVICES set as it starts, so Ray's GPU ids are physical ids) and 4 CPUs a GPU, on CPU
+    `cpus` CPUs each (a trainer rank takes one)."""
     from ray.cluster_utils import Cluster
 
     os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes the head's address there, not under temp_dir
-    common = dict(node_ip_address="127.0.0.1", temp_dir=temp, object_store_memory=200 << 20)
-    per = dict(num_cpus=cpus) if device == "cpu" else dict(num_cpus=4, num_gpus=1)
+    common = dict(node_ip_address="127.0.0.1", temp_dir=temp, object_store_memory=object_store_mb << 20)
+    per = dict(num_cpus=cpus) if device == "cpu" else dict(num_cpus=4 * gpus, num_gpus=gpus)
     nodes = []
     cluster = None
     for k in range(count):
         if device == "gpu":
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(k)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(k * gpus + g) for g in range(gpus))
         if cluster is None:
             cluster = Cluster(initialize_head=True, head_node_args=dict(common, **per, include_dashboard=False))
             nodes.append(cluster.head_node.node_id)

@@ -147,6 +147,13 @@ def check_samples_seeds_stop_ids_and_length(group):
         assert not early, f"generation went on after a stop id: {c.token_ids}"
         assert (c.finish_reason == "stop") == (c.token_ids[-1] in (STOP, 3)), c
         assert c.finish_reason == "stop" or len(c.token_ids) == 12
+    # ignore_eos (rollout.ignore_eos): nothing ends a response, neither stop ids nor the engine's own EOS
+    # (its config's, STOP here): the same seeded samples go on past where they stopped, to the length
+    stopped = [c for c in flat if c.finish_reason == "stop"]
+    assert stopped, "no completion stopped: the ignore_eos check below would prove nothing"
+    full = [c for g in group.generate(PROMPTS, params.with_(stop_token_ids=(), ignore_eos=True)) for c in g]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in full), full
+    assert all(f.token_ids[:len(c.token_ids)] == c.token_ids for f, c in zip(full, flat)), (full, flat)
 
 
 def check_order_across_two_engines(group):
@@ -157,14 +164,14 @@ def check_order_across_two_engines(group):
     assert [c.token_ids for g in split for c in g] == [c.token_ids for c in alone]
 
 
-def tp2_fixture(engine: str, starter, family: str):
-    """A module fixture `tp2`: one TP=2 engine of `family`, for the TP=2 checks and then the
-    hung-and-killed one (check_hung_and_killed), which ends it: one engine start for both.
+def tp2_fixture(engine: str, starter, family: str, **rollout):
+    """A module fixture `tp2`: one TP=2 engine of `family` (and `rollout` settings), for the TP=2 checks
+    and then the hung-and-killed one (check_hung_and_killed), which ends it: one engine start for all.
     Assign it at the module's top level: `tp2 = tp2_fixture(...)`."""
 
     @pytest.fixture(scope="module", name="tp2")
     def tp2(ray_cluster, models):
-        group = start(ray_cluster, starter, engine, models[family][1], tp=2)
+        group = start(ray_cluster, starter, engine, models[family][1], tp=2, **rollout)
         yield group
         if group.actors:  # not ended by the hung-and-killed check
             group.shutdown()

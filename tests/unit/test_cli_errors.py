@@ -34,6 +34,14 @@ class Case(NamedTuple):
     says: str  # in the error line ("{d}" as in args)
 
 
+SOURCE = "openai/gsm8k"  # the fixtures' rows: a data_source with a reward function
+FAMILIES_ = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe", "llama", "qwen2", "qwen3")
+# a non-square tensor of each family's tiny model (a square one transposed keeps its shape)
+WRONG_SHAPE = {"deepseek_v3": "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+               "deepseek_v2": "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+               "qwen3_moe": "model.layers.1.self_attn.o_proj.weight", "glm4_moe": "model.layers.1.self_attn.o_proj.weight",
+               **dict.fromkeys(("llama", "qwen2", "qwen3"), "model.layers.1.mlp.down_proj.weight")}
+
 LLAMA_66 = ("model.hf_config={model_type: llama, vocab_size: 16, hidden_size: 66, intermediate_size: 128, "
             "num_hidden_layers: 2, num_attention_heads: 4}")
 
@@ -96,6 +104,20 @@ CASES = [
          "rollout.fp8_kernels=deep_gemm_moe runs on GPUs (Hopper)"),
     Case("tuned MoE tiles missing", CONFIG[:3], ("rollout.moe_config_dir={d}/no_tiles",),
          "rollout.moe_config_dir={d}/no_tiles holds no configs/ folder"),
+    # multi-turn rollouts (mcore_rl.rollout.multiturn)
+    Case("env not module:Class", CONFIG[:3], ("rollout.env=SecretLookupEnv",),
+         "rollout.env: 'SecretLookupEnv' must be package.module:name"),
+    Case("env module missing", RUN, ("rollout.env=no_such_pkg.envs:Env",),
+         "rollout.env: cannot import 'no_such_pkg.envs' (ModuleNotFoundError"),
+    Case("env class missing", RUN, ("rollout.env=mcore_rl.envs.lookup:NoSuchEnv",),
+         "rollout.env: 'mcore_rl.envs.lookup' has no 'NoSuchEnv'"),
+    Case("env not a class", RUN, ("rollout.env=mcore_rl.envs.lookup:LETTER_IDS",),
+         "rollout.env: 'mcore_rl.envs.lookup:LETTER_IDS' is a tuple, not a class"),
+    Case("generate_fn not async", RUN, ("rollout.generate_fn=mcore_rl.rollout.multiturn:is_multiturn",),
+         "rollout.generate_fn: 'mcore_rl.rollout.multiturn:is_multiturn' is not an async function"),
+    Case("turn longer than the response", CONFIG[:3], ("rollout.env=mcore_rl.envs.lookup:SecretLookupEnv",
+                                                       "rollout.max_turn_tokens=9", "rollout.max_response_len=8"),
+         "rollout.max_turn_tokens = 9 > rollout.max_response_len = 8"),
     # the model config against what the builder, converters and engines take
     Case("num_attention_heads 0", CONFIG, ("model.hf_config.num_attention_heads=0", "memory.gpu_memory_gb=80"),
          "invalid config: model.hf_config: num_attention_heads must be an integer >= 1, got 0"),
@@ -131,6 +153,20 @@ CASES = [
          "{d}/nope: no such directory (model.tokenizer_path)"),
     Case("plan without the model's shapes", ("plan",),
          ("model.hf_config=null", "model.hf_path={d}/nope", "memory.gpu_memory_gb=80"), "needs the model's shapes"),
+    Case("budget neither a count nor auto", CONFIG, ("actor.ppo_max_token_len_per_gpu=0",),
+         "actor.ppo_max_token_len_per_gpu: expected int >= 1 or one of 'auto', got int 0"),
+    Case("auto budget without dynamic batching", CONFIG, ("actor.ppo_max_token_len_per_gpu=auto",),
+         "actor.ppo_max_token_len_per_gpu: auto picks a budget for actor.use_dynamic_bsz: true only"),
+    # rollout.engine_kwargs: the keys read from the installed engine's own argument class (one subprocess each)
+    Case("engine_kwargs key SGLang lacks", RUN, ("rollout.engine_kwargs.enable_mixd_chunk=true",),
+         "rollout.engine_kwargs.enable_mixd_chunk: not an argument of SGLang's ServerArgs (engine 0.5.20) "
+         "(did you mean 'enable_mixed_chunk'?)"),
+    Case("engine_kwargs key vLLM lacks", RUN,
+         ("rollout.engine=vllm", "model.hf_config.kv_lora_rank=512", "model.hf_config.qk_rope_head_dim=64",
+          "rollout.engine_kwargs.gpu_memory_utilisation=0.5"),
+         "rollout.engine_kwargs.gpu_memory_utilisation: not an argument of vLLM's EngineArgs"),
+    Case("engine_kwargs for the embedded engine", CONFIG, ("rollout.engine=embedded", "rollout.engine_kwargs.tp_size=2"),
+         "rollout.engine_kwargs (tp_size) are arguments of an SGLang or vLLM engine; rollout.engine 'embedded' takes none"),
     # converters and merge
     Case("hf dir missing", ("convert",), ("hf-to-mcore", "--hf", "{d}/nope"), "{d}/nope: no such directory"),
     Case("hf dir without config.json", ("convert",), ("hf-to-mcore", "--hf", "{d}/empty"), "no config.json"),
@@ -156,6 +192,57 @@ CASES = [
          "{d}/manifest.json: not valid JSON"),
     Case("merge manifest missing", ("convert",), ("merge", "--backend", "fsdp", "--manifest", "{d}/absent.json"),
          "{d}/absent.json: no such file"),
+    # second sweep (issue 50): values out of range, inputs of the newer features
+    Case("val_batch_size -1", CONFIG[:3], ("data.val_batch_size=-1",),
+         "invalid config: data.val_batch_size must be >= 1 or null, got -1"),
+    Case("overlong penalty negative", CONFIG[:3], ("reward.overlong_buffer.penalty_factor=-1",),
+         "invalid config: reward.overlong_buffer.penalty_factor must be >= 0, got -1"),
+    Case("override value not YAML", CONFIG[:3], ("actor.lr=[1,",),
+         "invalid config: override 'actor.lr=[1,': the value is not valid YAML"),
+    Case("output_dir empty", CONFIG[:3], ("trainer.output_dir=",),
+         "invalid config: trainer.output_dir is empty: name the directory"),
+    Case("fp8 rollout on a CPU engine", CONFIG[:3], ("rollout.weight_dtype=fp8",),
+         "rollout.weight_dtype=fp8 needs cluster.device gpu: SGLang's CPU engine does not start with block-FP8"),
+    Case("shipped config by name, data not made", ("dry-run",), ("--config", "moonlight_16b.yaml"),
+         "data/gsm8k/train.parquet: no such file (make it with: python scripts/preprocess_gsm8k.py "
+         "--output_dir data/gsm8k)"),
+    Case("config name neither a file nor shipped", ("train", "config"), ("--config", "moonlight_99b.yaml"),
+         "moonlight_99b.yaml: no such file, nor a shipped config (deepseek_v3_671b.yaml, "),
+    Case("data row without a reward function", RUN, ("data.train_files={d}/unrewarded.parquet",),
+         "{d}/unrewarded.parquet: row 1: no reward function for data_source 'nobody/knows'"),
+    Case("rollout_dump_dir a file", RUN, ("trainer.rollout_dump_dir={d}/afile",),
+         "{d}/afile: trainer.rollout_dump_dir is a file, not a directory"),
+    Case("replay dir missing", RUN, ("--replay", "{d}/nope"), "{d}/nope: no such directory (--replay takes"),
+    Case("replay dir without dumps", RUN, ("--replay", "{d}/empty"), "{d}/empty: no rollout dumps (step_N.pt)"),
+    Case("replay dump truncated", RUN, ("--replay", "{d}/dump_truncated"),
+         "{d}/dump_truncated/step_1.pt: truncated or not a torch file"),
+    Case("replay pickle not a dump", RUN, ("--replay", "{d}/dump_pickle"),
+         "{d}/dump_pickle/step_1.pt: not a rollout dump (it holds objects other than tensors"),
+    Case("replay torch file not a dump", RUN, ("--replay", "{d}/dump_dict"),
+         "{d}/dump_dict/step_1.pt: not a rollout dump (lacks ['batch', 'index', 'reward', 'score'])"),
+    Case("replay dump of another model", RUN, ("--replay", "{d}/dump_qwen3_moe"),
+         "{d}/dump_qwen3_moe/step_1.pt: dumped by another model than this run's: "),
+    Case("replay dump beyond the vocabulary", RUN, ("--replay", "{d}/dump_vocab"),
+         "{d}/dump_vocab/step_1.pt: token id 200 is outside the model's vocabulary of 16"),
+    Case("resume with another hidden_size", RUN, ("trainer.output_dir={d}/tiny_run", "model.hf_config.hidden_size=96"),
+         "{d}/tiny_run: the model differs from the one this run directory holds ({d}/tiny_run/init_hf/config.json): "
+         "hidden_size (64 -> 96); keep the old model settings to resume it, or start afresh in a new "
+         "trainer.output_dir"),
+    Case("resume with other experts", RUN, ("trainer.output_dir={d}/tiny_run", "model.hf_config.n_routed_experts=8"),
+         "n_routed_experts (4 -> 8)"),
+    Case("hf safetensors index not json", ("convert",), ("hf-to-mcore", "--hf", "{d}/bad_index"),
+         "{d}/bad_index/model.safetensors.index.json: not valid JSON"),
+    Case("hf safetensors index without a weight map", ("convert",), ("hf-to-mcore", "--hf", "{d}/index_no_map"),
+         "{d}/index_no_map/model.safetensors.index.json: no \"weight_map\" of tensor name -> shard file"),
+    *[Case(f"hf {fam} tensor transposed", ("convert",), ("hf-to-mcore", "--hf", "{d}/transposed_" + fam),
+           "{d}/transposed_" + fam + ": tensor " + WRONG_SHAPE[fam] + " has shape [") for fam in FAMILIES_],
+    Case("hf tensor reshaped, same elements", ("convert",), ("hf-to-mcore", "--hf", "{d}/reshaped_llama"),
+         "{d}/reshaped_llama: tensor " + WRONG_SHAPE["llama"] + " has shape [32, 256], config.json implies [64, 128]"),
+    Case("hf tensor of integers", ("convert",), ("hf-to-mcore", "--hf", "{d}/integer_llama"),
+         "{d}/integer_llama: tensor " + WRONG_SHAPE["llama"] + " has dtype I32 (not a floating dtype)"),
+    Case("qwen3_moe config.json without its head_dim", ("convert",), ("hf-to-mcore", "--hf", "{d}/qwen3_moe_no_head_dim"),
+         "{d}/qwen3_moe_no_head_dim: tensor model.layers.0.self_attn.q_proj.weight has shape [128, 64], config.json "
+         "implies [64, 64]"),
 ]
 
 
@@ -172,20 +259,20 @@ def _write_fixtures(d) -> None:
     (d / "binary.yaml").write_bytes(b"\xff\xfe\x00\x81")
     (d / "a_dir.yaml").mkdir()
     (d / "afile").write_text("x")
-    write_rows(str(d / "good.parquet"), [make_row("x", "abc", "a")])
-    write_rows(str(d / "words.parquet"), [make_row("x", "hello world", "a")])
-    row = {k: v for k, v in make_row("x", "abc", "a").items() if k != "extra_info"}
+    write_rows(str(d / "good.parquet"), [make_row(SOURCE, "abc", "a")])
+    write_rows(str(d / "words.parquet"), [make_row(SOURCE, "hello world", "a")])
+    row = {k: v for k, v in make_row(SOURCE, "abc", "a").items() if k != "extra_info"}
     pq.write_table(pa.Table.from_pylist([row]).slice(0, 0), d / "empty.parquet")
     pq.write_table(pa.table({}), d / "nocols.parquet")
     pq.write_table(pa.table({"question": ["q"], "answer": ["a"]}), d / "wrongcols.parquet")
-    pq.write_table(pa.table({"data_source": ["x"], "prompt": [5], "reward_model": [{"ground_truth": "a"}]}),
+    pq.write_table(pa.table({"data_source": [SOURCE], "prompt": [5], "reward_model": [{"ground_truth": "a"}]}),
                    d / "intprompt.parquet")
-    rows = [make_row("x", "abc", "a"), {**row, "prompt": [{"role": "user", "content": None}]}]
+    rows = [make_row(SOURCE, "abc", "a"), {**row, "prompt": [{"role": "user", "content": None}]}]
     pq.write_table(pa.Table.from_pylist([{k: v for k, v in r.items() if k != "extra_info"} for r in rows]),
                    d / "intcontent.parquet")
     (d / "garbage.parquet").write_bytes(b"not parquet at all" * 10)
     (d / "zero.parquet").write_bytes(b"")
-    (d / "rows.jsonl").write_text(json.dumps(make_row("x", "abc", "a")) + "\n")
+    (d / "rows.jsonl").write_text(json.dumps(make_row(SOURCE, "abc", "a")) + "\n")
     (d / "old_run").mkdir()
     (d / "old_run" / "metrics.jsonl").write_text('{"step": 1}\n')
     (d / "empty").mkdir()
@@ -200,10 +287,75 @@ def _write_fixtures(d) -> None:
         (d / name).mkdir()
         (d / name / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
 
+    write_rows(str(d / "unrewarded.parquet"), [make_row(SOURCE, "abc", "a"), make_row("nobody/knows", "abc", "a")])
+    _dump_fixtures(d)
+    _run_dir_fixture(d)
     hf_dir("neox", "llama", model_type="gpt_neox")
     for key, family in (("hidden_size", "llama"), ("kv_lora_rank", "deepseek_v3"), ("vocab_size", "qwen2")):
         hf_dir(f"no_{key}", family, **{key: None})
     hf_dir("no_vocab", "qwen2", vocab_size=None)
+
+
+def _dump_fixtures(d) -> None:
+    """--replay directories: a truncated dump, a pickle of other objects, a torch file of other keys,
+    a dump by another model (Qwen3-MoE) and one whose tokens lie beyond the tiny vocabulary."""
+    import datetime
+
+    import torch
+
+    from mcore_rl.rollout_dump import dump_rollout
+    from tests.support.tiny_models import FAMILIES
+
+    batch = {"tokens": torch.tensor([[1, 2, 3]]), "response_mask": torch.ones(1, 1)}
+    score = torch.zeros(1)
+    dump_rollout(str(d / "dump_qwen3_moe"), 1, batch, [0], score, score, {"model_type": "qwen3_moe",
+                                                                           **FAMILIES["qwen3_moe"][1]})
+    dump_rollout(str(d / "dump_vocab"), 1, {**batch, "tokens": torch.tensor([[1, 200]])}, [0], score, score)
+    dump_rollout(str(d / "dump_truncated"), 1, batch, [0], score, score)
+    path = d / "dump_truncated" / "step_1.pt"
+    os.truncate(path, path.stat().st_size // 2)
+    for name, obj in (("dump_pickle", {"batch": datetime.date(2026, 1, 1)}), ("dump_dict", {"weights": score})):
+        (d / name).mkdir()
+        torch.save(obj, d / name / "step_1.pt")
+
+
+def _run_dir_fixture(d) -> None:
+    """An output directory as a run of the tiny config leaves it before its first checkpoint: its
+    initial model, written by transformers from the config's hf_config."""
+    import transformers
+
+    from mcore_rl.config import load_config
+
+    transformers.AutoConfig.for_model(**load_config(TINY).model.hf_config).save_pretrained(d / "tiny_run" / "init_hf")
+
+
+def _bad_hf_checkpoints(d) -> None:
+    """An HF checkpoint per family with one tensor transposed; a llama one with it reshaped (the same
+    number of elements), one with it in integers; a Qwen3-MoE config.json without its head_dim; two
+    malformed safetensors indexes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.tiny_models import make_hf_model
+
+    def variant(name: str, family: str, change) -> None:
+        make_hf_model(family, str(d / name))
+        f = str(d / name / "model.safetensors")
+        tensors = load_file(f)
+        tensors[WRONG_SHAPE[family]] = change(tensors[WRONG_SHAPE[family]]).contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+
+    for fam in FAMILIES_:
+        variant("transposed_" + fam, fam, lambda t: t.t())
+    variant("reshaped_llama", "llama", lambda t: t.reshape(t.shape[0] // 2, t.shape[1] * 2))
+    variant("integer_llama", "llama", lambda t: t.to(torch.int32))
+    make_hf_model("qwen3_moe", str(d / "qwen3_moe_no_head_dim"))
+    cfg = json.loads((d / "qwen3_moe_no_head_dim" / "config.json").read_text())
+    del cfg["head_dim"]  # 32 in its tensors; hidden_size / num_attention_heads = 16
+    (d / "qwen3_moe_no_head_dim" / "config.json").write_text(json.dumps(cfg))
+    for name, index in (("bad_index", "{\"weight_map\": "), ("index_no_map", "{\"metadata\": {}}")):
+        make_hf_model("llama", str(d / name))
+        (d / name / "model.safetensors.index.json").write_text(index)
 
 
 def _broken_checkpoints(d) -> None:
@@ -257,7 +409,10 @@ def _listing(path: str):
 def test_bad_input_is_one_line_and_exit_2(entry, case, fixtures, capsys, monkeypatch):
     if ".distcp" in case.name and not (fixtures / "truncated_ckpt").exists():
         _broken_checkpoints(fixtures)
+    if any(w in case.name for w in ("tensor", "index", "head_dim")) and not (fixtures / "bad_index").exists():
+        _bad_hf_checkpoints(fixtures)
     monkeypatch.setenv("MCORE_RL_NO_PROGRESS", "1")
+    monkeypatch.chdir(fixtures)  # relative paths (a shipped config's data/) resolve away from the checkout
     d, out = str(fixtures), str(fixtures / "out")
     args = [a.replace("{d}", d) for a in case.args]
     named = [a.split("=", 1)[1] for a in args if a.startswith("trainer.output_dir=")]
@@ -356,3 +511,125 @@ def test_gpu_config_without_gpus_stops_at_the_placement_deadline(tmp_path):
     assert ("cluster.placement_timeout_s = 2 s passed and Ray could not place the 2 trainer rank(s): asked for "
             "2 bundle(s) of CPU 1, GPU 1 (PACK); the cluster has CPU 2 in all") in errors[0]
     assert not out.exists()
+
+
+# ---- issue 50's cases beside the table: exit codes other than 2, warnings, locks, installs ----------
+def test_dry_run_exits_as_the_run_would_when_the_memory_plan_is_refused(tmp_path, capsys):
+    """`--dry-run` of a plan that cannot fit exits 1, as the run and `python -m mcore_rl.plan` do."""
+    from mcore_rl import plan, train
+
+    args = ["--config", os.path.join(ROOT, "configs", "tiny_gpu.yaml"), "memory.gpu_memory_gb=4",
+            f"trainer.output_dir={tmp_path / 'out'}"]
+    assert plan.main(args) == 1
+    assert train.main([*args, "--dry-run"]) == 1
+    assert "memory plan REFUSED" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_options_inert_in_the_chosen_mode_are_named_once(tmp_path, capsys):
+    from mcore_rl import train
+
+    assert train.main(["--config", TINY, "--dry-run", f"trainer.output_dir={tmp_path / 'out'}",
+                       "trainer.max_staleness=3", "trainer.sync_every=2",
+                       "reward.overlong_buffer.penalty_factor=0.5"]) == 0
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
+    assert warnings == [
+        "warning: trainer.sync_every is set but acts only with trainer.mode fully_async; it is ignored here",
+        "warning: trainer.max_staleness is set but acts only with trainer.mode fully_async; it is ignored here",
+        "warning: reward.overlong_buffer.penalty_factor is set but acts only with reward.overlong_buffer.enable; it "
+        "is ignored here"], warnings
+
+
+def test_shipped_configs_warn_of_no_inert_option():
+    import glob
+
+    from mcore_rl.config import inert_options, load_config
+
+    for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
+        assert inert_options(load_config(path, validate=False)) == [], path
+
+
+def test_a_second_run_is_refused_naming_the_first_runs_pid_and_a_dead_runs_lock_is_taken_over(tmp_path, capsys):
+    """The lock file of trainer.output_dir: a live holder (here this process, holding it as a run
+    does) refuses the run and its dry run in one line naming its pid; a lock file whose run died
+    (its flock gone with it) is taken over with a warning naming that pid."""
+    from mcore_rl import train
+    from mcore_rl.run_dir import LOCK, RunLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    args = ["--config", TINY, f"trainer.output_dir={out}", "rollout.engine=embedded"]
+    with RunLock(str(out)):
+        for extra in ([], ["--dry-run"]):
+            capsys.readouterr()
+            assert train.main([*args, *extra]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err == (f"error: {out}: another run (pid {os.getpid()}) is using this trainer.output_dir; wait "
+                           "for it to end, stop it, or choose another trainer.output_dir"), err
+        assert sorted(os.listdir(out)) == [LOCK]  # nothing written
+    assert not (out / LOCK).exists()  # released
+    (out / LOCK).write_text("4194303\n")  # a run killed with its lock file left (pid beyond pid_max)
+    with RunLock(str(out)):
+        assert (out / LOCK).read_text().strip() == str(os.getpid())
+    assert (f"warning: {out / LOCK}: run pid 4194303 ended without releasing it; taking it over"
+            in capsys.readouterr().err)
+
+
+@pytest.fixture
+def read_only():
+    """make(path): the directory read-only for this process (chmod; as root, a read-only bind mount)."""
+    mounted = []
+
+    def make(path: str) -> None:
+        if os.geteuid() != 0:
+            os.chmod(path, 0o555)
+            return
+        for cmd in (["mount", "--bind", path, path], ["mount", "-o", "remount,ro,bind", path]):
+            if subprocess.run(cmd, capture_output=True).returncode != 0:
+                pytest.skip("root without mount: no way to make a directory read-only here")
+            if cmd[1] == "--bind":
+                mounted.append(path)
+
+    yield make
+    for path in mounted:
+        subprocess.run(["umount", path], check=True)
+
+
+def test_a_read_only_checkpoint_directory_is_refused_before_the_run_starts(tmp_path, capsys, read_only):
+    from mcore_rl import train
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    read_only(str(out / "checkpoints"))
+    for extra in ([], ["--dry-run"]):
+        capsys.readouterr()
+        assert train.main(["--config", TINY, f"trainer.output_dir={out}", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: {out / 'checkpoints'}: the run's checkpoint directory is not writable (read-only); "
+                       "make it writable or choose another trainer.output_dir"), err
+    assert sorted(os.listdir(out)) == ["checkpoints"]
+
+
+def test_a_shipped_config_resolves_by_name_when_installed(tmp_path):
+    """`--config NAME.yaml` finds the shipped configs in an installed package (a wheel built from
+    this checkout, unpacked away from it), not only in a checkout."""
+    import zipfile
+
+    src, site = tmp_path / "src", tmp_path / "site"
+    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "mcore_rl", "converters", "configs"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for rel in files:
+        dst = src / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.islink(os.path.join(ROOT, rel)):
+            os.symlink(os.readlink(os.path.join(ROOT, rel)), dst)
+        else:
+            dst.write_bytes(open(os.path.join(ROOT, rel), "rb").read())
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").iterdir()
+    zipfile.ZipFile(wheel).extractall(site)
+    r = subprocess.run([sys.executable, "-m", "mcore_rl.config", "moonlight_16b.yaml"], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "model_type: deepseek_v3" in r.stdout and "n_routed_experts: 64" in r.stdout  # Moonlight's

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from mcore_rl import config as C
-from mcore_rl.console import StepConsole, clock
+from mcore_rl.console import StartConsole, StepConsole, clock, start_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,6 +43,42 @@ def test_a_terminal_gets_a_progress_bar_on_its_last_line():
     text = out.getvalue()
     assert text.count("/4 | reward") == 2 and "step 3/4" in text and "step 4/4" in text
     assert text.rstrip().endswith("100%") and "\r\x1b[K" in text  # the bar is replaced, not stacked
+
+
+def test_start_up_phases_one_line_each_with_seconds_and_a_line_while_a_long_one_runs():
+    import re
+    import time
+
+    out = io.StringIO()
+    c = StartConsole(stream=out, still_running_s=60)  # no phase here runs that long
+    with c.phase("building the trainer's model"):
+        pass
+    with pytest.raises(RuntimeError), c.phase("first weight sync"):
+        raise RuntimeError("engine gone")
+    c.done()
+    lines = out.getvalue().splitlines()
+    assert re.fullmatch(r"start: building the trainer's model \d+\.\d s", lines[0]), lines
+    assert re.fullmatch(r"start: first weight sync failed after \d+\.\d s", lines[1]), lines
+    assert re.fullmatch(r"start: ready for step 1 after \d+\.\d s", lines[2]) and len(lines) == 3, lines
+    assert set(c.seconds) == {"building the trainer's model", "first weight sync"}
+    rec = start_record(["(MegatronActor pid=1) something else\n", *lines])  # as benchmarks read a run's output
+    assert [n for n, _ in rec["phases"]] == ["building the trainer's model", "first weight sync"]
+    assert rec["failed"] == "first weight sync" and rec["ready_for_step"] == 1 and rec["ready_s"] >= 0
+    # a phase running longer than still_running_s says so first; its line then gives the seconds
+    out = io.StringIO()
+    c = StartConsole(stream=out, still_running_s=0.01)
+    with c.phase("starting the sglang engines"):
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "start: starting the sglang engines ..." and len(lines) == 2, lines
+    assert re.fullmatch(r"start: starting the sglang engines \d+\.\d s", lines[1]) and c.seconds[
+        "starting the sglang engines"] >= 0.3, lines
+    # on a terminal the running line is replaced by the phase's own
+    tty = _Tty()
+    c = StartConsole(stream=tty, still_running_s=0.01)
+    with c.phase("compiling"):
+        time.sleep(0.3)
+    assert tty.getvalue().startswith("start: compiling ...\r\x1b[Kstart: compiling ")
 
 
 def test_clock():

@@ -269,3 +269,34 @@ def test_cli_round_trip_other_moe_families(tmp_path, fam):
     assert r.returncode == 0, r.stderr
     b = load_file(str(back / "model-00001-of-00001.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_random_hf_checkpoint_is_whole_seeded_and_converts(v3, tmp_path):
+    """`python -m converters random-hf`: every tensor transformers saves for the model (its load
+    misses none, finds none extra), drawn per tensor name from the seed (the same files at any shard size; another seed,
+    other weights), matrices N(0, initializer_range) and norms ones; the trainer's converter takes it."""
+    import transformers
+
+    from converters.cli import main
+
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    shutil.copy(v3 / "config.json", cfg_dir / "config.json")
+    assert main(["random-hf", "--hf-config", str(cfg_dir), "--out", str(tmp_path / "a"), "--dtype", "fp32",
+                 "--seed", "3"]) == 0
+    convert.random_hf(str(cfg_dir), str(tmp_path / "b"), "fp32", seed=3, max_shard_bytes=4096)
+    convert.random_hf(str(cfg_dir), str(tmp_path / "c"), "fp32", seed=4)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"), output_loading_info=True)
+    assert not any(info.values()), info
+    a, b, c = (HFCheckpoint(str(tmp_path / x)) for x in "abc")
+    assert len(os.listdir(tmp_path / "b")) > 3  # several shards
+    assert sorted(a.names()) == sorted(HFCheckpoint(str(v3)).names()) == sorted(b.names())  # transformers' own save
+    assert all(torch.equal(a.get(n), b.get(n)) for n in a.names())
+    matrices = [n for n in a.names() if a.get(n).dim() == 2]
+    assert not any(torch.equal(a.get(n), c.get(n)) for n in matrices)
+    std = json.loads((cfg_dir / "config.json").read_text()).get("initializer_range", 0.02)
+    embed = a.get("model.embed_tokens.weight")
+    assert abs(embed.std().item() - std) < 0.2 * std and abs(embed.mean().item()) < 0.2 * std
+    assert all(torch.equal(a.get(n), torch.ones_like(a.get(n))) for n in a.names() if n.endswith("norm.weight"))
+    convert.hf_to_mcore(str(tmp_path / "a"), str(tmp_path / "ckpt"))
+    assert os.path.exists(tmp_path / "ckpt" / "metadata.json")

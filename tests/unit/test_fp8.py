@@ -72,7 +72,7 @@ def test_an_fp8_engine_starts_from_an_fp8_checkpoints_config(tmp_path):
     from mcore_rl.sync.plan import EngineLayout
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cfg = load_config(os.path.join(root, "configs", "tiny_cpu.yaml"), ["rollout.weight_dtype=fp8",
+    cfg = load_config(os.path.join(root, "configs", "tiny_cpu.yaml"), ["cluster.device=gpu", "rollout.weight_dtype=fp8",
                       "model.hf_config.moe_intermediate_size=128", "model.hf_config.q_lora_rank=128"])
     hf = tmp_path / "hf"
     hf.mkdir()

@@ -300,9 +300,11 @@ def test_cli_prints_the_table_and_refuses_a_small_gpu():
     ok = run_cli("--config", MOONLIGHT_YAML)
     assert ok.returncode == 0, ok.stderr
     assert "engine kv cache" in ok.stdout and "mem_fraction_static=" in ok.stdout
+    assert "micro-batch: 6,144 tokens per GPU; recompute none\n" in ok.stdout  # the config's, not picked
     small = run_cli("--config", MOONLIGHT_YAML, "memory.gpu_memory_gb=24")
     assert small.returncode == 1
     assert "OVER" in small.stdout and "memory plan refused: phase 'train' is short by" in small.stderr
+    assert "actor.ppo_max_token_len_per_gpu=6144 cannot fit; not even one sequence (5120 tokens) fits" in small.stderr
     bad = run_cli("--config", MOONLIGHT_YAML, "memory.gpu_memory_gb=-1")
     assert bad.returncode == 2 and "memory.gpu_memory_gb must be > 0" in bad.stderr
 

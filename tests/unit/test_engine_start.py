@@ -1,0 +1,99 @@
+"""The engines' start-up as the console shows it (mcore_rl.rollout.engine_start), their per-node compile
+cache (jit_cache) and how rollout.engine_kwargs enter their arguments (engine_kwargs). The kwargs
+reaching the engines themselves, and unknown keys refused, are proved against SGLang's and vLLM's
+CPU engines (tests/e2e/test_rollout_sglang.py, test_rollout_vllm.py; tests/unit/test_cli_errors.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from mcore_rl.config import load_config
+from mcore_rl.rollout import engine_kwargs, engine_start, jit_cache
+from mcore_rl.sync.plan import EngineLayout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_GPU = os.path.join(ROOT, "configs", "tiny_gpu.yaml")
+TINY_CPU = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+FUSION = "enforce_disable_flashinfer_allreduce_fusion"
+TWO = ("cluster.n_gpus_per_node=2", "rollout.tp_size=2", "parallel.ep=2", "actor.micro_batch_size=64")
+
+
+def test_compile_target_names_what_is_built():
+    nvcc = ["/usr/local/cuda/bin/nvcc", "-c", "/root/.cache/flashinfer/0.6/90/generated/trtllm_comm/x.cu",
+            "-o", "/root/.cache/flashinfer/0.6/90/cached_ops/trtllm_comm/csrc_trtllm_allreduce_fusion.cuda.o"]
+    assert engine_start.compile_target("nvcc", nvcc) == "trtllm_comm/csrc_trtllm_allreduce_fusion.cuda.o"
+    assert engine_start.compile_target("ninja", ["ninja", "-v", "-C", "/c/cached_ops/trtllm_comm/"]) \
+        == "cached_ops/trtllm_comm"
+    assert engine_start.compile_target("ptxas", ["ptxas"]) == "ptxas"
+
+
+def test_latest_phase_reads_the_newest_start_line(tmp_path):
+    log = tmp_path / "engine_0_node0.log"
+    assert engine_start.latest_phase(str(log)) is None and engine_start.latest_phase(None) is None
+    log.write_text(f"noise\n{engine_start.MARK} importing SGLang\nmore noise\n")
+    assert engine_start.latest_phase(str(log)) == "importing SGLang"
+    with open(log, "a") as f:  # SGLang's own lines, at log level info, count too
+        f.write("[2026-11-28 10:00:00 TP0] Load weight begin. avail mem=139.1 GB\n")
+    assert engine_start.latest_phase(str(log)) == "loading weights"
+    with open(log, "a") as f:
+        f.write(f"{engine_start.MARK} compiling trtllm_comm/fusion.cuda.o (nvcc)\n")
+    assert engine_start.latest_phase(str(log)) == "compiling trtllm_comm/fusion.cuda.o (nvcc)"
+
+
+def test_compile_watch_marks_a_compiler_among_its_children(tmp_path, capfd):
+    """A child process named nvcc (a copy of sleep) is named while it runs, then its time."""
+    fake = tmp_path / "nvcc"
+    shutil.copy(shutil.which("sleep"), fake)
+    with engine_start.CompileWatch(interval_s=0.2):
+        subprocess.run([str(fake), "1.5"], check=True)
+        subprocess.run(["sleep", "0.6"], check=True)
+    out = capfd.readouterr().out
+    assert f"{engine_start.MARK} compiling nvcc (nvcc)" in out, out
+    assert f"{engine_start.MARK} compiles done after" in out, out
+
+
+def test_jit_cache_env_is_one_directory_and_leaves_set_variables(tmp_path):
+    env = jit_cache.cache_env("~/jit", environ={"TRITON_CACHE_DIR": "/site/triton"})
+    home = os.path.expanduser("~")
+    assert "TRITON_CACHE_DIR" not in env  # the site's own wins
+    assert env["FLASHINFER_WORKSPACE_BASE"] == os.path.join(home, "jit", "flashinfer")
+    assert env["DG_JIT_CACHE_DIR"] == env["SGLANG_DG_CACHE_DIR"] == os.path.join(home, "jit", "deep_gemm")
+    assert {os.path.dirname(v) for v in env.values()} == {os.path.join(home, "jit")}
+    assert jit_cache.cache_env(None) == {} and jit_cache.cache_env("") == {}
+    assert load_config(TINY_CPU, []).cluster.jit_cache_dir == "~/.cache/mcore_rl/jit"
+
+
+def test_engine_kwargs_between_our_defaults_and_our_settings(capsys):
+    """SGLang on GPUs: a user's key passes through, our default yields to the user, our own
+    setting wins with one warning naming the key; on CPU no GPU default is added."""
+    from mcore_rl.rollout import sglang as S
+
+    layout = EngineLayout(2, 1, 1, 2)
+    plain = S.engine_args(load_config(TINY_GPU, [*TWO]), "/m", layout, 0, None, 0.5)
+    assert plain[FUSION] is True  # flashinfer's all-reduce fusion (a JIT compile) off by default on GPUs
+    cfg = load_config(TINY_GPU, [*TWO, "rollout.engine_kwargs.enable_mixed_chunk=true",
+                                 f"rollout.engine_kwargs.{FUSION}=false", "rollout.engine_kwargs.tp_size=8",
+                                 "rollout.engine_kwargs.chunked_prefill_size=8192"])
+    args = S.engine_args(cfg, "/m", layout, 0, None, 0.5)
+    assert args["enable_mixed_chunk"] is True and args[FUSION] is False and args["tp_size"] == 2
+    capsys.readouterr()
+    engine_kwargs.warn_overridden(cfg.rollout.engine_kwargs, S.own_args(cfg, "/m", layout, 0, None, 0.5, None),
+                                  "sglang")
+    err = capsys.readouterr().err.strip().splitlines()
+    # chunked_prefill_size equals ours: nothing to warn about
+    assert len(err) == 1 and "tp_size=8 (kept 2)" in err[0] and "chunked_prefill" not in err[0], err
+    cpu = S.engine_args(load_config(TINY_CPU, []), "/m", EngineLayout(1, 1, 1, 1), 0, None, 0.5)
+    assert FUSION not in cpu
+
+
+def test_vllm_engine_kwargs_pass_through_and_ours_win():
+    from mcore_rl.rollout import vllm as V
+
+    cfg = load_config(TINY_GPU, ["rollout.engine=vllm", "rollout.engine_kwargs.max_model_len=256",
+                                 "rollout.engine_kwargs.tensor_parallel_size=4"])
+    args = V.engine_args(cfg, "/m", EngineLayout(1, 1, 1, 1), 0.5)
+    assert args["max_model_len"] == 256 and args["tensor_parallel_size"] == 1
+    assert engine_kwargs.overridden(cfg.rollout.engine_kwargs, V.own_args(cfg, "/m", EngineLayout(1, 1, 1, 1), 0.5)) \
+        == {"tensor_parallel_size": (4, 1)}
