@@ -22,7 +22,7 @@ from mcore_rl.parallel import free_port
 from mcore_rl.rollout import engine_logs, engine_start, jit_cache, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
-from mcore_rl.rollout.spawn import children_skip_main
+from mcore_rl.rollout.spawn import children_forked, children_skip_main
 from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site")
@@ -276,7 +276,13 @@ class SGLangServer:
         t0 = time.perf_counter()
         engine_start.mark(f"starting SGLang {self.version}'s engine: model, KV cache"
                           + (", CUDA graphs" if device == "gpu" else ""))
-        with children_skip_main(), engine_start.CompileWatch():
+        if device == "cpu":
+            from sglang.srt.entrypoints import engine as engine_module
+
+            start = children_forked(engine_module)
+        else:
+            start = children_skip_main()
+        with start, engine_start.CompileWatch():
             self.engine = sglang.Engine(**engine_args)
         engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
         self.start_seconds = time.perf_counter() - t0

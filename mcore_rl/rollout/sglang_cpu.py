@@ -24,8 +24,8 @@ but a few things it imports or dispatches to exist only in GPU builds:
   costs seconds of CPU in the engine's process and again in each scheduler, and its CPU engine
   uses none of it (native torch paths): SGLang then runs as it does where vLLM is not installed.
 
-The stand-ins must exist in every SGLang process, including the schedulers it spawns, before
-any SGLang module is imported: `sglang_site/sitecustomize.py` calls `install()` at interpreter
+The stand-ins must exist in every SGLang process before any SGLang module is imported (the
+engine actor's schedulers are forked from it and inherit them; `sglang.launch_server` spawns its own): `sglang_site/sitecustomize.py` calls `install()` at interpreter
 start when MCORE_RL_SGLANG_CPU=1 (the engine actor sets it and puts that directory first on
 PYTHONPATH). Nothing here runs on GPU machines.
 """

@@ -21,3 +21,32 @@ def children_skip_main():
     finally:
         if path is not None:
             main.__file__ = path
+
+
+@contextlib.contextmanager
+def children_forked(module):
+    """`module`'s `multiprocessing.Process` children (SGLang's engine module: its scheduler and
+    detokenizer) forked from this process instead of spawned: they inherit its imports (SGLang,
+    torch, transformers) where a spawned child imports them again, 7-11 s of CPU for each of an
+    engine's processes. Only where no CUDA context exists yet (a CPU engine): a fork does not carry
+    one. `module` takes `import multiprocessing as mp`; its `mp.set_start_method` becomes a no-op,
+    as it would force "spawn" for every later child of this process."""
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+
+    class Forking:
+        Process = fork.Process
+
+        @staticmethod
+        def set_start_method(*args, **kwargs) -> None:
+            pass
+
+        def __getattr__(self, name):
+            return getattr(multiprocessing, name)
+
+    old, module.mp = module.mp, Forking()
+    try:
+        yield
+    finally:
+        module.mp = old

@@ -44,6 +44,15 @@ def test_release_right_after_generate(ds_two):
     assert all(h["alive"] for h in ds_two.health())
 
 
+def test_engine_processes_are_forked_from_their_actor(ds_two):
+    """On CPU an engine's scheduler and detokenizer are forked from its Ray actor, inheriting its
+    imports; spawned, each imported SGLang, torch and transformers again (7-11 s of CPU apiece)."""
+    procs = R.engine_processes(ds_two)
+    assert len(procs) >= 4, procs  # two engines: a scheduler and a detokenizer each
+    spawned = [" ".join(p.cmdline()) for p in procs if "spawn_main" in " ".join(p.cmdline())]
+    assert not spawned, spawned
+
+
 def test_tp2_engine_equals_transformers(tp2, models):
     R.check_against_transformers(tp2, models["qwen2"][0])
     lo, hi = LISTEN_PORTS  # the ranks met at our port, not at SGLang's ephemeral pick

@@ -1,0 +1,37 @@
+"""Time as a budget (tests/README.md): every test's setup + call + teardown seconds are added up;
+at the end of a run the tests over BUDGET_S that tests/README.md does not list are named (a note,
+never a failure). MCORE_RL_TEST_DURATIONS=path also writes them all, slowest first, as JSON."""
+
+import json
+import os
+from collections import defaultdict
+
+BUDGET_S = 120
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+_seconds: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] += report.duration
+
+
+def over_budget(seconds: dict[str, float], listed: str) -> list[tuple[str, float]]:
+    """(test, seconds) over BUDGET_S whose id, less its parameters, `listed` (the README) does not name."""
+    return [(t, s) for t, s in sorted(seconds.items(), key=lambda kv: -kv[1])
+            if s > BUDGET_S and t.split("[")[0].split("/")[-1] not in listed]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _seconds:
+        return
+    path = os.environ.get("MCORE_RL_TEST_DURATIONS")
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(sorted(_seconds.items(), key=lambda kv: -kv[1])), f, indent=1)
+    with open(README) as f:
+        listed = f.read()
+    late = over_budget(_seconds, listed)
+    if late:
+        terminalreporter.write_sep("-", f"over the {BUDGET_S} s budget, not listed in tests/README.md")
+        for test, s in late:
+            terminalreporter.write_line(f"{s:7.1f}s {test}")
