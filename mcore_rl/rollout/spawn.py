@@ -23,6 +23,29 @@ def children_skip_main():
             main.__file__ = path
 
 
+def _titled_process_class():
+    import multiprocessing
+
+    class Titled(multiprocessing.get_context("fork").Process):
+        """A forked child that names itself after its target before running it (SGLang's
+        `run_scheduler_process` -> `sglang::scheduler`, as `ps` shows a spawned one). SGLang's own
+        setproctitle cannot retitle a child forked from a Ray worker, whose argv Ray's copy of
+        setproctitle already took over; Ray's copy can."""
+
+        def run(self):
+            target = getattr(self._target, "__name__", "")
+            if target.startswith("run_") and target.endswith("_process"):
+                try:
+                    from ray._raylet import setproctitle
+                except ImportError:  # not in a Ray worker: SGLang's own call will do
+                    pass
+                else:
+                    setproctitle(f"sglang::{target[4:-8]}")
+            super().run()
+
+    return Titled
+
+
 @contextlib.contextmanager
 def children_forked(module):
     """`module`'s `multiprocessing.Process` children (SGLang's engine module: its scheduler and
@@ -33,10 +56,8 @@ def children_forked(module):
     as it would force "spawn" for every later child of this process."""
     import multiprocessing
 
-    fork = multiprocessing.get_context("fork")
-
     class Forking:
-        Process = fork.Process
+        Process = _titled_process_class()
 
         @staticmethod
         def set_start_method(*args, **kwargs) -> None:
