@@ -261,9 +261,10 @@ def test_parquet_data_with_kl_tis_and_rloo(tmp_path):
         assert all(key in r for r in steps), key
     assert steps[0]["critic/kl"] == 0.0  # the policy starts as the reference
     assert steps[1]["critic/kl_coeff"] != steps[0]["critic/kl_coeff"]  # adaptive controller moved
-    after = {r["step"]: r for r in recs if "reward/mean" not in r}  # a step's sync and validation come after it
-    assert "val/reward" in after[0] and "val/reward" in after[3]
-    assert after[3]["timing/validate"] > 0  # benchmarks take it out of their steps' wall time
+    by_step = {r["step"]: r for r in recs}  # one record a step: its sync and validation in it too
+    assert len(by_step) == len(recs) == 4  # step 0: the first sync and the validation before training
+    assert "val/reward" in by_step[0] and "val/reward" in by_step[3]
+    assert by_step[3]["timing/validate"] > 0  # benchmarks take it out of their steps' wall time
 
 
 def test_critic_free_options_wire_through(tmp_path):
