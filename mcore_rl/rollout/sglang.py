@@ -369,7 +369,9 @@ class SGLangServer:
                                                         load_format=load_format), "update_weights_from_distributed")
 
     def update_weights_from_disk(self, model_path: str):
-        _ok(self.engine.update_weights_from_disk(model_path), "update_weights_from_disk")
+        # the sync writes HF safetensors; an engine started on dummy weights (no files at start) would
+        # otherwise reload with its start-up loader, which reads no files
+        _ok(self.engine.update_weights_from_disk(model_path, load_format="auto"), "update_weights_from_disk")
 
     def write_weight_digests(self, path: str) -> None:
         """Node 0: every rank of the engine, on every node, writes its parameters' digests to
