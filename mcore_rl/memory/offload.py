@@ -108,14 +108,6 @@ class StorageOffloader:
         self.host: list[PinnedBuffer] = []
         self.by_storage: dict[int, torch.Tensor] = {}  # StorageImpl address -> its host copy
 
-    def _collect(self) -> list:
-        out, seen = [], set()
-        for t in self.tensors():
-            s = t.untyped_storage()
-            if t.device.type == self.device_type and s._cdata not in seen and s.nbytes():
-                seen.add(s._cdata)
-                out.append(s)
-        return out
 
     @property
     def offloaded(self) -> bool:
@@ -126,7 +118,7 @@ class StorageOffloader:
         if self.offloaded:
             return 0
         self.wait()  # a background onload still copying into these storages finishes first
-        self.storages = self._collect()
+        self.storages = live_storages(self.tensors(), self.device_type)
         sizes = [s.nbytes() for s in self.storages]
         if sizes != [h.nbytes for h in self.host]:
             # the old copies are stale (the live states are on the GPU): free them before the new
@@ -204,10 +196,7 @@ class StorageDropper:
         """Frees the storages; returns the bytes moved (none)."""
         if self.offloaded:
             return 0
-        for t in self.tensors():
-            s = t.untyped_storage()
-            if t.device.type == self.device_type and s._cdata not in self.dropped and s.nbytes():
-                self.dropped[s._cdata] = (s, s.nbytes())
+        self.dropped = {s._cdata: (s, s.nbytes()) for s in live_storages(self.tensors(), self.device_type)}
         _synchronize(self.device_type)  # no kernel may still write what is freed
         for s, _ in self.dropped.values():
             s.resize_(0)
@@ -222,6 +211,17 @@ class StorageDropper:
 
     def read(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+
+def live_storages(tensors, device_type: str) -> list:
+    """The distinct, not yet freed storages under `tensors` that live on `device_type`."""
+    out, seen = [], set()
+    for t in tensors:
+        s = t.untyped_storage()
+        if t.device.type == device_type and s._cdata not in seen and s.nbytes():
+            seen.add(s._cdata)
+            out.append(s)
+    return out
 
 
 def _synchronize(device_type: str) -> None:
