@@ -330,6 +330,10 @@ class TrainerConfig(Section):
     total_training_steps: int | None = Field(None, ge=1, description="overrides epochs * steps per epoch")
     save_freq: int = Field(-1, ge=-1, description="steps; -1 or 0: never")
     save_last: bool = Field(True, description="the last step saves too, whatever save_freq says")
+    save_optimizer: bool = Field(True, description=(
+        "checkpoints hold the optimizer state too, which a resume needs; false: the model only (an eighth of the "
+        "size with Adam's fp32 states), to export with `python -m converters mcore-to-hf`; a run does not resume "
+        "from such a checkpoint"))
     test_freq: int = Field(-1, ge=-1, description="validation every N steps (and at the last); -1 or 0: only the last")
     val_before_train: bool = True
     resume: Literal["auto", "disable"] = Field("auto", description="disable: refused where output_dir holds a run")

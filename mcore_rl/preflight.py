@@ -19,7 +19,7 @@ from mcore_rl import config_checks
 from mcore_rl.cli_errors import BadInput
 from mcore_rl.model_checks import unread_keys_warning
 from mcore_rl.rollout import engine_kwargs
-from mcore_rl.run_dir import check_same_model, check_unlocked
+from mcore_rl.run_dir import check_resumable, check_same_model, check_unlocked
 
 
 @dataclass
@@ -35,6 +35,8 @@ def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: str | None = N
     """replay: the directory of dumped rollouts the run trains on (it reads no prompts)."""
     check_output_dir(cfg.trainer)
     check_same_model(os.path.abspath(cfg.trainer.output_dir), config_checks.hf_model_dims(cfg.model))
+    if cfg.trainer.resume == "auto":
+        check_resumable(os.path.abspath(cfg.trainer.output_dir))
     if cfg.trainer.rollout_dump_dir:
         check_dir_to_write(cfg.trainer.rollout_dump_dir, "trainer.rollout_dump_dir")
     if replay:

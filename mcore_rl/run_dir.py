@@ -123,6 +123,23 @@ def recorded_model(run_dir: str) -> tuple[str, dict] | None:
     return None
 
 
+def check_resumable(run_dir: str) -> None:
+    """A run going on in `run_dir` resumes from its newest complete checkpoint: one saved without
+    the optimizer state (trainer.save_optimizer=false) cannot resume exactly, and is refused."""
+    from mcore_rl import run_checkpoints as run_ckpt
+
+    newest = run_ckpt.latest(os.path.join(run_dir, "checkpoints"), warn=lambda _: None)
+    if newest is None:
+        return
+    from mcore_rl import optim_state  # torch: only where there is a checkpoint to resume
+
+    if not optim_state.files(newest[1], "model"):
+        raise BadInput(f"{newest[1]}: the newest checkpoint holds the model only (saved with "
+                       "trainer.save_optimizer=false), so the run cannot resume from it; export it with "
+                       f"`python -m converters mcore-to-hf --ckpt {os.path.join(newest[1], 'model')} --out DIR`, "
+                       "or start afresh in a new trainer.output_dir")
+
+
 def check_same_model(run_dir: str, now: dict | None) -> None:
     """A run going on in `run_dir` must train the model it holds: a changed model is refused
     naming what changed (the checkpoints stay as they are)."""

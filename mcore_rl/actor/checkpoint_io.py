@@ -26,11 +26,14 @@ class Checkpoints:
         read = self.read_state
         os.makedirs(os.path.join(step_dir, "optim"), exist_ok=True)
         saves = [ModelSave(model, os.path.join(step_dir, name), read=read) for name, model, _ in self._parts()]
+        with_optimizer = self.cfg["trainer"]["save_optimizer"]  # false: a checkpoint to export, not to resume
 
         def write():
             with _no_crc32():  # the manifest's sizes catch a truncated file; CRC32 took most of a save's time
                 for (name, model, opt), ms in zip(self._parts(), saves):
                     ms.write()
+                    if not with_optimizer:
+                        continue
                     extra = {"updates": self.updates} if name == "model" else {}
                     path = os.path.join(step_dir, "optim", f"{name}.rank{dist.get_rank()}.pt")
                     save_optim(opt, model, path, extra, read, self._regions[name])

@@ -369,11 +369,28 @@ def test_a_fresh_run_in_a_used_output_dir_is_refused(base):
 
 def test_resume_at_another_layout_and_keep_the_newest(base, tmp_path):
     """Saved at EP 2 (DP 2 for dense params), resumed at EP 1: the run goes on from the same
-    weights and optimizer states; only the newest checkpoint is kept."""
+    weights and optimizer states; only the newest checkpoint is kept. That one is saved without
+    the optimizer (trainer.save_optimizer=false): complete, the model only, exported to HF by the
+    converter's command line, and a run that would resume from it is refused in one line."""
+    from mcore_rl import run_checkpoints as rc
+
     out = _restart_from_step_2(base, str(tmp_path / "ep1"))
-    log = _ran(out, "parallel.ep=1", "trainer.max_checkpoints=1")
+    log = _ran(out, "parallel.ep=1", "trainer.max_checkpoints=1", "trainer.save_optimizer=false")
     assert log.split("resumed from")[1].split()[0].endswith("step_2")
     assert os.listdir(os.path.join(out, "checkpoints")) == ["step_4"]
+    step_4 = os.path.join(out, "checkpoints", "step_4")
+    assert rc.incomplete(step_4) is None
+    assert not [n for n in os.listdir(os.path.join(step_4, "optim")) if n.endswith(".pt")]
+    hf = str(tmp_path / "hf")
+    subprocess.run([sys.executable, "-m", "converters", "mcore-to-hf", "--ckpt", os.path.join(step_4, "model"),
+                    "--out", hf], check=True, cwd=ROOT, timeout=300)
+    assert [n for n in os.listdir(hf) if n.endswith(".safetensors")]
+    again = subprocess.run([sys.executable, "-m", "mcore_rl.train", "--config", "configs/tiny_cpu.yaml",
+                            f"trainer.output_dir={out}", "trainer.total_training_steps=6"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert again.stderr.strip().splitlines()[-1].startswith(f"error: {step_4}: the newest checkpoint holds the model "
+                                                            "only"), again.stderr[-2000:]
     a, b = _steps(base), _steps(out)
     # EP 1 sums the same gradients in another order: equal to rounding, not bit for bit
     for s in (3, 4):

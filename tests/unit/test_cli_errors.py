@@ -87,6 +87,8 @@ CASES = [
          "{d}/afile: trainer.output_dir is a file, not a directory"),
     Case("output_dir under a file", RUN, ("trainer.output_dir={d}/afile/run",),
          "{d}/afile/run: trainer.output_dir lies under {d}/afile, which is a file"),
+    Case("resume from a model-only checkpoint", RUN, ("trainer.output_dir={d}/model_only_run",),
+         "{d}/model_only_run/checkpoints/step_2: the newest checkpoint holds the model only"),
     Case("output_dir holds a run", RUN, ("trainer.output_dir={d}/old_run", "trainer.resume=disable"),
          "{d}/old_run: trainer.output_dir already holds a run"),
     # divisors set to 0: the >= 1 checks come before any division
@@ -275,6 +277,12 @@ def _write_fixtures(d) -> None:
     (d / "rows.jsonl").write_text(json.dumps(make_row(SOURCE, "abc", "a")) + "\n")
     (d / "old_run").mkdir()
     (d / "old_run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    step = d / "model_only_run" / "checkpoints" / "step_2"  # complete, but saved with save_optimizer=false
+    (step / "model").mkdir(parents=True)
+    (step / "model" / "metadata.json").write_text("{}")
+    (step / "trainer_state.json").write_text('{"step": 2}')
+    (step / "manifest.json").write_text(json.dumps({"step": 2, "files": {"model/metadata.json": 2,
+                                                                         "trainer_state.json": 11}}))
     (d / "empty").mkdir()
     (d / "badjson").mkdir()
     (d / "badjson" / "config.json").write_text("{not json")
