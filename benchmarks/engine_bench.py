@@ -507,6 +507,25 @@ def export(cfg, model, work: str) -> str:
     return mcore_to_hf(os.path.join(work, "mcore"), os.path.join(work, "hf"), dtype=cfg.model.dtype)
 
 
+def export_checkpoint(model, step_dir: str, out: str) -> dict:
+    """The trainer's model from a run's checkpoint, and its HF export by the converter's command line (what a
+    user runs), with the export's seconds and the converter process's peak host memory."""
+    import resource
+
+    from mcore_rl.checkpoint import load_model
+
+    ckpt = os.path.join(step_dir, "model")
+    load_model(model, ckpt)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "converters", "mcore-to-hf", "--ckpt", ckpt, "--out", out], check=True, cwd=REPO)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far: the converter
+    size = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out) if n.endswith(".safetensors"))
+    print(f"export: {size / 2**30:.2f} GiB of safetensors in {seconds:.1f} s, converter peak RSS {peak / 2**30:.2f} GiB",
+          flush=True)
+    return {"dir": out, "seconds": round(seconds, 1), "gib": round(size / 2**30, 2), "peak_rss_gib": round(peak / 2**30, 2)}
+
+
 def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[int], out: str) -> None:
     """In a process of its own (SGLang kills the process that made an engine when it fails): one engine,
     each layer's output in the prefill of `tokens`, the log-prob of each token, the routed experts."""
@@ -608,6 +627,8 @@ def hidden_gap_main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=256, help="length of the random token sequence")
     ap.add_argument("--replay", action="store_true", help="also the trainer with the engine's experts (R3)")
+    ap.add_argument("--checkpoint", help="a run's checkpoint (checkpoints/step_N): the trainer loads its model, and the "
+                                         "engine loads the export that `python -m converters mcore-to-hf` makes of it")
     ap.add_argument("--engine-side", nargs=3, metavar=("MODEL_DIR", "TOKENS_JSON", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
@@ -623,7 +644,13 @@ def hidden_gap_main(argv: list[str]) -> int:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     work = tempfile.mkdtemp(prefix="hidden_gap_")
     hf, model = trainer_model(cfg, gpu)
-    engine_dir = engine_model_dir(export(cfg, model, work), os.path.join(work, "engine_hf"), [], cfg.cluster.device)
+    exported = {}
+    if a.checkpoint:
+        exported = export_checkpoint(model, a.checkpoint, os.path.join(work, "hf"))
+        model_dir = exported.pop("dir")
+    else:
+        model_dir = export(cfg, model, work)
+    engine_dir = engine_model_dir(model_dir, os.path.join(work, "engine_hf"), [], cfg.cluster.device)
     n = min(a.tokens, (hf.get("max_position_embeddings") or 2 * a.tokens) // 2)  # well inside the engine's context
     tokens = torch.randint(0, hf.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     with open(os.path.join(work, "tokens.json"), "w") as f:
@@ -638,7 +665,8 @@ def hidden_gap_main(argv: list[str]) -> int:
         runs["replay"] = trainer_side(hf, model, tokens, device, routes=engine["routes"])
     result = {"config": a.config, "overrides": a.overrides, "tokens": n, "layers": hf.num_layers,
               "engine": f"SGLang {engine['version']} TP={cfg.rollout.tp_size} EP={cfg.rollout.ep_size}",
-              "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": cfg.model.dtype}
+              "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": cfg.model.dtype,
+              "checkpoint": a.checkpoint, "export": exported or None}
     for name, trainer in runs.items():
         rows, logp = compare(trainer, engine)
         result[name] = {"layers": rows, **logp, **findings(rows)}

@@ -237,6 +237,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--logs", help="copy the run's engine logs (logs/engine_<k>_node<n>.log) and metrics.jsonl to "
                                    "this directory when it ends, however it ends")
+    ap.add_argument("--run-dir", help="the run's output directory, kept afterwards (its checkpoints: export them); "
+                                      "default: a temporary one, deleted")
     ap.add_argument("--no-engine-alone", action="store_true",
                     help="skip the engine-alone measurement (reported as not measured)")
     ap.add_argument("--modes", help="comma-separated trainer modes (sync,one_step_off,fully_async) to compare "
@@ -255,8 +257,9 @@ def main() -> int:
     cfg = C.load_config(a.config, a.overrides)
     hf = HFModel.from_dict(config_checks.hf_model_dims(cfg.model))
     work = tempfile.mkdtemp(prefix="rl_loop_bench_")
+    run_dir = os.path.abspath(a.run_dir) if a.run_dir else os.path.join(work, "run")
     t0, launched = time.perf_counter(), time.time()
-    steps, run_peaks, start_phases = run_loop(a.config, a.overrides, os.path.join(work, "run"), a.logs)
+    steps, run_peaks, start_phases = run_loop(a.config, a.overrides, run_dir, a.logs)
     wall = time.perf_counter() - t0
     timed = [s for k, s in sorted(steps.items()) if k >= 2 and "reward/mean" in s]
     med = lambda key: statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None  # noqa: E731
@@ -269,7 +272,7 @@ def main() -> int:
     flops = tokens * (6 * active_params(hf) + attention_flops_per_token(hf, int(seq))) * cfg.actor.ppo_epochs
     update_s = med("timing/update_actor")
     sync_s, sync_b = med("sync/seconds"), med("sync/bytes")
-    alone = None if a.no_engine_alone else engine_alone(cfg, os.path.join(work, "run", "engine_hf"), B,
+    alone = None if a.no_engine_alone else engine_alone(cfg, os.path.join(run_dir, "engine_hf"), B,
                                                         int(round(prompt)), cfg.rollout.max_response_len)
     shutil.rmtree(work, ignore_errors=True)  # checkpoints of tens of GB: a later run needs the disk
     # max over steps 2..N of the steps that logged it (the checkpoint only runs on save steps); None: never

@@ -147,8 +147,11 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         *) echo "full27: unknown LAYOUT=$LAYOUT (tp1, tp4, tp4ep4, tp4x2nodes)"; exit 2 ;;
       esac
       name=full27_${LAYOUT:-tp1}${R3:+_r3}${TAG:-}
+      # KEEP=1: the run's last step saves the model (no optimizer state) into /tmp/full27_run for `export27`
+      KEEP_RUN=(); [ -n "${KEEP:-}" ] && rm -rf /tmp/full27_run && KEEP_RUN=(--run-dir /tmp/full27_run) \
+        && FULL+=(trainer.save_last=true trainer.save_optimizer=false)
       timeout "${LIMIT:-590}" "${RUN[@]}" "${PY[@]}" benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
-        --out "$OUT/$name.json" --logs "$OUT/${name}_engine_logs" --no-engine-alone "${FULL[@]}" \
+        --out "$OUT/$name.json" --logs "$OUT/${name}_engine_logs" "${KEEP_RUN[@]}" --no-engine-alone "${FULL[@]}" \
         trainer.total_training_steps="${STEPS:-3}" ${R3:+actor.routing_replay=true} "${EXTRA[@]}" 2>&1 | quiet \
         | tee "$OUT/$name.log" | tail -60
       ls "${HOME}/.cache/mcore_rl/jit" 2>/dev/null | sed 's/^/jit cache: /' ;;
@@ -157,6 +160,13 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
       timeout "${LIMIT:-590}" python3 benchmarks/engine_bench.py hidden-gap --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
         --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay rollout.tp_size=1 rollout.ep_size=1 \
         "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/hidden_gap${TAG:-}.log" | tail -75 ;;
+    export27)  # issue 45 item 7: the model a `KEEP=1 full27` run trained, exported by the converter's command line, loaded by
+      # SGLang as its model (TP 1, the last GPU), its log-probs against the trainer's (that checkpoint, GPU 0), live and R3
+      step=$(ls -d /tmp/full27_run/checkpoints/step_* 2>/dev/null | sort -t_ -k2 -n | tail -1)
+      [ -n "$step" ] || { echo "export27: no checkpoint under /tmp/full27_run (run KEEP=1 full27 first)"; exit 2; }
+      timeout "${LIMIT:-590}" python3 benchmarks/engine_bench.py hidden-gap --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
+        --out "$OUT/export27${TAG:-}.json" --tokens "${TOKENS:-256}" --replay --checkpoint "$step" rollout.tp_size=1 \
+        rollout.ep_size=1 "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/export27${TAG:-}.log" | tail -75 ;;
     loopx)  # the loop on CONFIG with EXTRA_OVERRIDES as given, as NAME; RAYLETS=NxG runs it over N raylets of G GPUs
       # (the engine's nnodes=N when its TP spans them), e.g. the 2 x H200 engine layouts at the depth that fits there
       RUN=(); [ -n "${RAYLETS:-}" ] && RUN=(python3 scripts/gpu/raylets.py --nodes "${RAYLETS%x*}" --gpus-per-node "${RAYLETS#*x}" --)
