@@ -160,7 +160,10 @@ class MemoryConfig(Section):
     reserved_gb: float = Field(6.0, ge=0, description=(
         "per GPU outside both models' planned tensors: the trainer's and the engine's CUDA contexts, NCCL, "
         "kernels, the released engine's leftovers"))
-    offload_train_states: bool = Field(True, description="Megatron params/grads/optimizer to CPU while the engine runs")
+    offload_train_states: bool | Literal["auto"] = Field(True, description=(
+        "Megatron params/grads/optimizer to CPU while the engine runs. auto: the memory plan keeps them on the GPUs "
+        "where they fit beside the engine with KV for the whole step's sequences (no copies to switch phases), "
+        "else offloads them (offloaded without a plan, on CPU)"))
     offload_ref: bool = Field(True, description="the frozen reference policy stays on the host between forwards (GPU)")
     grad_fp32: bool = Field(True, description="grads accumulated and reduced in fp32 (megatron's grad_reduce_in_fp32)")
     recompute_activations: bool = Field(False, description="shorthand for recompute: full")

@@ -2,8 +2,9 @@
 
 Prints the table of every phase (works without a GPU: the capacity then comes from
 memory.gpu_memory_gb), then host memory per node against cluster.host_memory_gb. Where the config
-says `auto` (actor.ppo_max_token_len_per_gpu, memory.recompute) the planner picks what fits
-(`memory.planner.pick_micro_batch`) and the table's first note says which. Exit 0 when the
+says `auto` (actor.ppo_max_token_len_per_gpu, memory.recompute, memory.offload_train_states) the
+planner picks what fits (`memory.planner.pick_micro_batch`, `plan_for_config`) and the table's first
+notes say which. Exit 0 when the
 plan fits, 1 with the refusal (phase or node and shortfall) when it does not, 2 on a config error.
 """
 
@@ -16,7 +17,7 @@ import sys
 
 from mcore_rl.cli_errors import BAD_INPUT, report
 from mcore_rl.config import ConfigError, load_config
-from mcore_rl.config_checks import hf_model_dims, recompute_choice
+from mcore_rl.config_checks import hf_model_dims, recompute_choice, rollout_gpus
 from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
 from mcore_rl.memory.host import HostInputs, plan_with_host
 from mcore_rl.memory.planner import AUTO_BUDGET_MAX, RECOMPUTE_BY_COST, MemoryPlanError, Plan, PlanInputs, pick_micro_batch
@@ -24,7 +25,40 @@ from mcore_rl.models.config import HFModel
 
 
 def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
-    """The plan of a validated Config, host memory included; raises MemoryPlanError when it cannot fit."""
+    """The plan of a validated Config, host memory included; raises MemoryPlanError when it cannot fit.
+    memory.offload_train_states auto: the trainer's states stay on the GPUs if that plan fits with KV
+    for the whole step's sequences in each engine, else the plan offloads them."""
+    if cfg.memory.offload_train_states != "auto":
+        return _plan(cfg, capacity)
+    need = rollout_tokens_per_engine(cfg)
+    try:
+        plan, source = _plan(_offloading(cfg, False), capacity)
+        why = f"they fit beside the engine, with KV for the step's {need:,} tokens an engine"
+        if plan.kv_tokens >= need:
+            plan.notes.insert(1, f"trainer states: kept on the GPUs while the engine runs (picked: {why})")
+            return plan, source
+        why = f"kept, the KV cache would hold {plan.kv_tokens:,} of the step's {need:,} tokens an engine"
+    except MemoryPlanError as e:
+        why = f"kept, {str(e).splitlines()[0]}"
+    plan, source = _plan(_offloading(cfg, True), capacity)
+    plan.notes.insert(1, f"trainer states: offloaded to the host while the engine runs (picked: {why})")
+    return plan, source
+
+
+def rollout_tokens_per_engine(cfg) -> int:
+    """The KV tokens an engine needs to hold its share of a step's sequences at once."""
+    engines = max(1, rollout_gpus(cfg) // cfg.rollout.tp_size)
+    sequences = -(-cfg.data.train_batch_size * cfg.rollout.n // engines)
+    return sequences * (cfg.data.max_prompt_length + cfg.rollout.max_response_len)
+
+
+def _offloading(cfg, offload: bool):
+    out = cfg.model_copy(deep=True)
+    out.memory.offload_train_states = offload
+    return out
+
+
+def _plan(cfg, capacity: int | None) -> tuple[Plan, str]:
     source = "given"
     if capacity is None:
         capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
@@ -57,6 +91,8 @@ def apply_choice(cfg, plan: Plan) -> None:
         cfg.actor.ppo_max_token_len_per_gpu = plan.inputs.micro_tokens
     if cfg.memory.recompute == "auto":
         cfg.memory.recompute = plan.inputs.recompute
+    if cfg.memory.offload_train_states == "auto":
+        cfg.memory.offload_train_states = plan.inputs.offload_train_states
 
 
 def settle_without_plan(cfg) -> None:
@@ -65,6 +101,8 @@ def settle_without_plan(cfg) -> None:
         cfg.actor.ppo_max_token_len_per_gpu = AUTO_BUDGET_MAX
     if cfg.memory.recompute == "auto":
         cfg.memory.recompute = "none"
+    if cfg.memory.offload_train_states == "auto":
+        cfg.memory.offload_train_states = True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,3 +104,55 @@ def test_without_a_plan_auto_is_16384_tokens_and_no_recompute():
                         ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=auto", "memory.recompute=auto"])
     settle_without_plan(cfg)
     assert (cfg.actor.ppo_max_token_len_per_gpu, cfg.memory.recompute) == (16384, "none")
+
+
+# ---- memory.offload_train_states: auto ------------------------------------------------------------
+LONG_64 = ("rollout.tp_size=4", "rollout.ep_size=4", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+           "rollout.max_response_len=8176", "memory.offload_train_states=auto")  # issue 46's 64 x 8K
+
+
+def test_auto_offload_keeps_the_states_on_the_gpus_where_they_fit_with_kv_for_the_step():
+    """64 x 8K at 27 layers, one TP4/EP4 engine: the states (74 GiB a GPU) stay beside the engine, whose KV
+    still holds all 64 sequences; nothing is pinned on the host, and the run gets the choice."""
+    cfg = cfg_of(*LONG_64)
+    plan, _ = plan_for_config(cfg, capacity=H200)
+    assert plan.inputs.offload_train_states is False
+    assert "trainer states: kept on the GPUs while the engine runs (picked: they fit beside the engine, with KV " \
+           "for the step's 524,288 tokens an engine)" in plan.notes
+    assert plan.kv_tokens >= 64 * 8192
+    for phase in ("sync", "rollout"):
+        assert plan.phases[phase]["megatron optimizer"] > 40 * GiB, phase
+    explicit, _ = plan_for_config(cfg_of(*LONG_64[:-1], "memory.offload_train_states=false"), capacity=H200)
+    assert {p: plan.total(p) for p in plan.phases} == {p: explicit.total(p) for p in explicit.phases}
+    assert plan.host.nodes[0]["trainer states, pinned"] == 0
+    apply_choice(cfg, plan)
+    assert cfg.memory.offload_train_states is False
+
+
+def test_auto_offload_moves_the_states_where_kept_ones_leave_too_little_kv():
+    """Eight times the sequences: kept states would leave the KV cache short of the step's share an engine."""
+    cfg = cfg_of(*LONG_64, "data.train_batch_size=64", "actor.ppo_mini_batch_size=64")
+    plan, _ = plan_for_config(cfg, capacity=H200)
+    assert plan.inputs.offload_train_states is True
+    note = next(n for n in plan.notes if n.startswith("trainer states: offloaded"))
+    assert re.search(r"picked: kept, the KV cache would hold [\d,]+ of the step's 4,194,304 tokens an engine", note), note
+    apply_choice(cfg, plan)
+    assert cfg.memory.offload_train_states is True
+
+
+def test_auto_offload_moves_the_states_where_kept_ones_do_not_fit():
+    """On a 100 GiB GPU the kept states (74 GiB), four TP1 engines' weights (30) and the reserve leave the
+    rollout phase short: the states go to the host, and the refusal of keeping them is the note's reason."""
+    cfg = C.load_config(os.path.join(ROOT, "configs", "moonlight_4gpu.yaml"),
+                        ["cluster.host_memory_gb=480", "memory.offload_train_states=auto"])
+    plan, _ = plan_for_config(cfg, capacity=100 * GiB)
+    assert plan.inputs.offload_train_states is True
+    note = next(n for n in plan.notes if n.startswith("trainer states: offloaded"))
+    assert "picked: kept, memory plan refused: phase 'rollout' is short by 11.00 GiB per GPU" in note, note
+    assert plan.host.nodes[0]["trainer states, pinned"] > 200 * GiB
+
+
+def test_without_a_plan_auto_offload_offloads():
+    cfg = C.load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), ["memory.offload_train_states=auto"])
+    settle_without_plan(cfg)
+    assert cfg.memory.offload_train_states is True
