@@ -24,7 +24,10 @@ rendering holds both.
 
 Templates that drop the reasoning of assistant turns before the last user message (Qwen3, GLM-4.5)
 render a history differently from what the model saw once an environment answers as the user;
-the rollout keeps what the model saw. With tool replies the two agree token for token.
+the rollout keeps what the model saw. With tool replies the two agree token for token. The one
+place the qwen3 template departs from Qwen3's own: with enable_thinking=false every assistant turn
+since the last user message keeps the empty think block its generation prompt had (Qwen3's own keeps
+it on the last turn only, so its rendering of a tool conversation is not the context the model saw).
 """
 
 from __future__ import annotations
