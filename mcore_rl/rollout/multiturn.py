@@ -170,8 +170,9 @@ class TurnContext:
 
             try:
                 self.turns = TurnFormat(tokenizer, dict(settings.template_kwargs))
-            except ValueError as e:  # raised where a message observation needs it
-                self.turns_error = e
+            except Exception as e:  # noqa: BLE001 - a template that cannot render a tool turn (its own checks
+                # raise what they like): raised where a message observation needs it, harmless elsewhere
+                self.turns_error = ValueError(f"the chat template cannot wrap an observation: {type(e).__name__}: {e}")
 
     async def generate(self, conv: Conversation, max_new_tokens: int | None = None,
                        stop_token_ids: Sequence[int] = ()) -> list[int]:

@@ -247,3 +247,33 @@ def test_data_chat_template_renders_the_prompts_of_a_run(tmp_path):
         family, kwargs = want
         text = chat_tokenizer(family).apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True, **kwargs)
         assert source.prompts[0] == tok.encode(text, add_special_tokens=False), overrides
+
+
+def test_a_template_without_tool_turns_leaves_id_observations_alone_and_refuses_messages():
+    """A tokenizer whose template cannot render a tool turn: observations as ids go in as they are,
+    a message observation is a clear error."""
+    tok = chat_tokenizer("qwen3")
+    strict = tok.__class__(tokenizer_object=tok.backend_tokenizer, eos_token="<|im_end|>")
+    strict.chat_template = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}"
+                            "{% endif %}{{ m.content }}{% endfor %}")
+    ids = tok.encode(REPLY, add_special_tokens=False)
+
+    class IdsEnv(ToolEnv):
+        async def step(self, turn):
+            result = await super().step(turn)
+            if self.as_ids and result.observation:
+                result.observation = result.observation["content"]
+            return result
+
+    for env, failure in ((IdsEnv(tok, as_ids=True), None), (ToolEnv(tok), "the chat template cannot wrap")):
+        conv = Conversation(0, [1, 2], seed=1)
+        engine = ScriptEngine(tok, ["It is.<|im_end|>", "Done.<|im_end|>"])
+        args = dict(params=SamplingParams(max_new_tokens=512, stop_token_ids=(tok.eos_token_id,)),  # EOS, as a run's
+                    settings=MultiTurnSettings(budget=512), tokenizer=strict, make_env=lambda env=env: env)
+        if failure is None:
+            run(engine, env_conversation, args, [conv])
+            first = len(tok.encode("It is.<|im_end|>", add_special_tokens=False))
+            assert conv.tokens[first:first + len(ids)] == ids and not any(conv.loss_mask[first:first + len(ids)])
+        else:
+            with pytest.raises(ValueError, match=failure):
+                run(engine, env_conversation, args, [conv])
