@@ -291,8 +291,8 @@ class FullyAsync:
             from mcore_rl.rollout.multiturn import scores
 
             taken.extend(samples)
-            return scored(self.cfg, self.source, [s.prompt_index for s in samples], batch,
-                          torch.tensor(scores(self.source, samples)))
+            return ppo.scored(self.cfg, self.source, [s.prompt_index for s in samples], batch,
+                              torch.tensor(scores(self.source, samples)))
 
         batch, idx, score, reward, metrics = sample_step_batch(
             self.cfg, self.engine, self.source, self.prompts_of(own), self.cfg.trainer.seed * 100003 + own, generate)

@@ -308,6 +308,12 @@ class DataConfig(Section):
     val_batch_size: int | None = Field(None, ge=1, description="null: the whole validation set at once")
     shuffle: bool = True
     task: str | None = Field(None, description="an embedded generated task (mcore_rl.data.tasks) instead of files")
+    chat_template: str | None = Field(None, description=(
+        "the chat template prompts are rendered with and multi-turn conversations continue in (an environment's "
+        "message observations, mcore_rl/rollout/chat.py): qwen3, deepseek_v3 or glm4_5 (shipped with mcore_rl), a "
+        "path to a Jinja file, or null: the tokenizer's own"))
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "passed to every rendering of the chat template, e.g. enable_thinking: false (Qwen3, GLM-4.5)"))
     task_train_size: int = Field(4096, ge=1)
     task_val_size: int = Field(256, ge=1)
 

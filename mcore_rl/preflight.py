@@ -66,6 +66,19 @@ def _check_multiturn_code(cfg: C.Config) -> None:
             raise ValueError(f"rollout.generate_fn: {r.generate_fn!r} is not an async function ({type(fn).__name__})")
     except ValueError as e:
         raise BadInput(str(e)) from None
+    _check_chat_template(cfg.data)
+
+
+def _check_chat_template(d: C.DataConfig) -> None:
+    """data.chat_template names a template of mcore_rl or a file, for prompts a transformers tokenizer renders."""
+    if d.chat_template is None:
+        return
+    from mcore_rl.rollout.chat import template_text
+
+    template_text(d.chat_template)
+    if not d.train_files:
+        raise BadInput("data.chat_template: applies to data.train_files' prompts, rendered by the model's tokenizer; "
+                       "the embedded data.task has a character tokenizer of its own")
 
 
 def check_dir_to_write(where: str, key: str) -> str:

@@ -28,10 +28,12 @@ def render_plain(messages, add_generation_prompt: bool = True) -> str:
     return text + "assistant:" if add_generation_prompt else text
 
 
-def encode_prompt(messages: list[dict], tokenizer) -> list[int]:
-    """Token ids of the prompt as the policy sees it, ending where the response starts."""
+def encode_prompt(messages: list[dict], tokenizer, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of the prompt as the policy sees it, ending where the response starts;
+    template_kwargs: the chat template's (data.chat_template_kwargs)."""
     if isinstance(tokenizer, CharTokenizer) or getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kwargs = {} if isinstance(tokenizer, CharTokenizer) else template_kwargs or {}  # the tasks' takes none
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(render_plain(messages), add_special_tokens=True))
 
@@ -58,8 +60,9 @@ class PromptDataset:
 
     def __init__(self, source: str | Sequence[str] | list[dict], tokenizer=None, *, prompt_key: str = "prompt",
                  max_prompt_length: int = 512, filter_overlong_prompts: bool = True,
-                 truncation: Truncation = "error", rewarded: bool = False):
-        """rewarded: every row's data_source must have a reward function (a training source)."""
+                 truncation: Truncation = "error", rewarded: bool = False, template_kwargs: dict | None = None):
+        """rewarded: every row's data_source must have a reward function (a training source);
+        template_kwargs: passed to the tokenizer's chat template (data.chat_template_kwargs)."""
         from mcore_rl.rewards import require_reward
 
         is_rows = isinstance(source, list) and all(isinstance(r, dict) for r in source)
@@ -76,7 +79,7 @@ class PromptDataset:
             if rewarded:
                 require_reward(row["data_source"], where)
             try:
-                ids = encode_prompt(row[prompt_key], self.tokenizer)
+                ids = encode_prompt(row[prompt_key], self.tokenizer, template_kwargs)
             except ValueError as e:
                 raise UnencodablePrompt(f"{where}: the tokenizer cannot encode the prompt: {e}") from None
             if filter_overlong_prompts and len(ids) > max_prompt_length:

@@ -55,7 +55,7 @@ def _dataset(files, tokenizer, d) -> DatasetPrompts:
     try:
         ds = PromptDataset(files, tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
                            filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                           rewarded=True)
+                           rewarded=True, template_kwargs=d.chat_template_kwargs)
     except UnencodablePrompt as e:
         raise UnencodablePrompt(f"{e}{_tokenizer_hint(tokenizer)}") from None
     if len(ds) == 0:  # every file has rows (read_file_rows): all were longer than allowed
@@ -70,6 +70,8 @@ def load_prompt_sources(cfg):
     """(train, validation or None) for cfg.data; parquet files take precedence over data.task."""
     d, seed = cfg.data, cfg.trainer.seed
     if d.train_files:
-        tok = load_tokenizer(cfg.model)
+        from mcore_rl.rollout.chat import use_template
+
+        tok = use_template(load_tokenizer(cfg.model), d.chat_template)
         return _dataset(d.train_files, tok, d), (_dataset(d.val_files, tok, d) if d.val_files else None)
     return make_task(d.task, d.task_train_size, seed=seed), make_task(d.task, d.task_val_size, seed=seed + 1)

@@ -9,8 +9,9 @@ An environment (`rollout.env: package.module:Class`, built once per conversation
         # the model's turn as the token ids it sampled -> (observation, reward, done)
 
 and optionally `stop_token_ids` (ids that end a model turn besides the tokenizer's EOS, e.g. a
-tool-call closing tag) and `async def close()`. Observations are token ids (text is encoded once,
-`add_special_tokens=False`); the model's tokens are never decoded and re-encoded, so the trainer
+tool-call closing tag) and `async def close()`. Observations are token ids, text (encoded once,
+`add_special_tokens=False`) or a message ({"role": "tool" or "user", "content": text or ids}), which the
+chat template wraps in its turn markers (mcore_rl/rollout/chat.py); the model's tokens are never decoded and re-encoded, so the trainer
 sees exactly the ids the engine sampled. A conversation ends when the environment says done, after
 `rollout.max_turns` model turns, or when `rollout.max_response_len` (model and environment tokens
 together) is used up. Its score is the last reward the environment gave; with none, the data's rule
@@ -53,6 +54,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from mcore_rl.rollout.base import Completion, Request, SamplingParams
 # a request continuing a conversation samples with seed + stride * tokens so far, as a partial rollout's piece
 from mcore_rl.rollout.buffer import PIECE_SEED_STRIDE, RolloutWorker
+from mcore_rl.rollout.chat import is_message
 
 FAILURES = ("raised", "timeout", "flood")
 
@@ -91,12 +93,13 @@ class MultiTurnSettings:
     max_observation_tokens: int = 1024
     failure_reward: float = 0.0
     segment: int = 0  # partial rollout: a turn is sampled this many tokens a request (0: whole)
+    template_kwargs: tuple = ()  # data.chat_template_kwargs' items, for message observations (chat.TurnFormat)
 
     @classmethod
     def of(cls, cfg, segment: int = 0) -> "MultiTurnSettings":
         r = cfg.rollout
         return cls(r.max_turns, r.max_turn_tokens, r.max_response_len, r.tool_timeout_s, r.max_observation_tokens,
-                   r.tool_failure_reward, segment)
+                   r.tool_failure_reward, segment, tuple(sorted(cfg.data.chat_template_kwargs.items())))
 
 
 @dataclass
@@ -161,6 +164,15 @@ class TurnContext:
                  make_env: Callable[[], Any] | None = None):
         self.pool, self.params, self.settings, self.tokenizer = pool, params, settings, tokenizer
         self.make_env = make_env
+        self.turns, self.turns_error = None, None  # the chat template's turn boundaries (chat.TurnFormat)
+        if getattr(tokenizer, "chat_template", None):
+            from mcore_rl.rollout.chat import TurnFormat
+
+            try:
+                self.turns = TurnFormat(tokenizer, dict(settings.template_kwargs))
+            except Exception as e:  # noqa: BLE001 - a template that cannot render a tool turn (its own checks
+                # raise what they like): raised where a message observation needs it, harmless elsewhere
+                self.turns_error = ValueError(f"the chat template cannot wrap an observation: {type(e).__name__}: {e}")
 
     async def generate(self, conv: Conversation, max_new_tokens: int | None = None,
                        stop_token_ids: Sequence[int] = ()) -> list[int]:
@@ -170,7 +182,8 @@ class TurnContext:
         cap = min(x for x in (max_new_tokens, s.max_turn_tokens, conv.room(s.budget)) if x is not None)
         if cap < 1:
             return []
-        stop = tuple(dict.fromkeys((*self.params.stop_token_ids, *stop_token_ids)))
+        ends = self.turns.stop_token_ids if self.turns else ()  # the template's end-of-turn markers
+        stop = tuple(dict.fromkeys((*self.params.stop_token_ids, *ends, *stop_token_ids)))
         start = len(conv.tokens)
         while True:
             left = cap - (len(conv.tokens) - start)
@@ -203,12 +216,26 @@ class TurnContext:
         finally:
             conv.tool_seconds += time.perf_counter() - t
 
-    def observation_ids(self, observation) -> list[int]:
-        """An observation as token ids (text encoded once, without special tokens); a flood past
-        rollout.max_observation_tokens is a ToolFailure."""
+    def observation_ids(self, observation, model_turn: Sequence[int] | None = None) -> list[int] | None:
+        """An observation as token ids (text encoded once, without special tokens; a message
+        {"role", "content"} after `model_turn` wrapped by the chat template, chat.TurnFormat: None when
+        the model's turn ended the conversation); a flood past rollout.max_observation_tokens is a ToolFailure."""
         if observation is None:
             return []
-        if isinstance(observation, str):
+        if is_message(observation):
+            if model_turn is None:
+                raise ValueError("env.reset returns token ids, text or None; a message follows a model turn")
+            if self.turns is None:
+                raise self.turns_error or ValueError(
+                    "a message observation needs a chat template: set data.chat_template, or use a tokenizer "
+                    "that has one")
+            content = observation["content"]
+            observation = self.turns.observation_ids(
+                model_turn, {**observation, "content": content if isinstance(content, str) else ""},
+                None if isinstance(content, str) else content)
+            if observation is None:
+                return None
+        elif isinstance(observation, str):
             if self.tokenizer is None:
                 raise ToolFailure("raised", "a text observation needs a tokenizer")
             observation = self.tokenizer.encode(observation, add_special_tokens=False)
@@ -271,7 +298,9 @@ async def env_conversation(ctx: TurnContext, conv: Conversation) -> None:
             if result.done or turn == s.max_turns - 1:
                 break
             conv.tool_calls += 1
-            ids = ctx.observation_ids(result.observation)
+            ids = ctx.observation_ids(result.observation, model_turn)
+            if ids is None:  # the model closed the conversation with another message's marker (chat.TurnFormat)
+                break
             if conv.room(s.budget) - len(ids) < 1:  # no room left for the model to answer it
                 conv.finish_reason = "length"
                 break
