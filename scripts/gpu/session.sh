@@ -168,10 +168,13 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         --out "$OUT/export27${TAG:-}.json" --tokens "${TOKENS:-256}" --replay --checkpoint "$step" rollout.tp_size=1 \
         rollout.ep_size=1 "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/export27${TAG:-}.log" | tail -75 ;;
     loopx)  # the loop on CONFIG with EXTRA_OVERRIDES as given, as NAME; RAYLETS=NxG runs it over N raylets of G GPUs
-      # (the engine's nnodes=N when its TP spans them), e.g. the 2 x H200 engine layouts at the depth that fits there
+      # (the engine's nnodes=N when its TP spans them), e.g. the 2 x H200 engine layouts at the depth that fits there;
+      # KEEP=1: the last step saves the model (no optimizer state) into /tmp/full27_run, for `export27`
       RUN=(); [ -n "${RAYLETS:-}" ] && RUN=(python3 scripts/gpu/raylets.py --nodes "${RAYLETS%x*}" --gpus-per-node "${RAYLETS#*x}" --)
+      KEEP_RUN=(); [ -n "${KEEP:-}" ] && rm -rf /tmp/full27_run && KEEP_RUN=(--run-dir /tmp/full27_run) \
+        && EXTRA+=(trainer.save_last=true trainer.save_optimizer=false)
       timeout "${LIMIT:-590}" "${RUN[@]}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
-        --out "$OUT/${NAME:-loopx}.json" --logs "$OUT/${NAME:-loopx}_logs" --no-engine-alone "${EXTRA[@]}" 2>&1 | quiet \
+        --out "$OUT/${NAME:-loopx}.json" --logs "$OUT/${NAME:-loopx}_logs" "${KEEP_RUN[@]}" --no-engine-alone "${EXTRA[@]}" 2>&1 | quiet \
         | tee "$OUT/${NAME:-loopx}.log" | tail -60 ;;
     loop) timeout 580 python3 benchmarks/rl_loop_bench.py --config configs/moonlight_2gpu.yaml --out "$OUT/loop_moonlight_2gpu.json" 2>&1 | quiet | tail -30 ;;
     *) echo "unknown part $part"; exit 2 ;;
