@@ -30,6 +30,13 @@ print(sys.argv[2], "steps", len(tr), "reward first3", round(sum(s["reward/mean"]
                                           for p in ("train", "sync", "rollout")])
 PY
 }
+keep_run() {  # KEEP=1 (full27, loopx): the run's last step saves the model, no optimizer state, into /tmp/full27_run
+  KEEP_RUN=()  # for export27
+  [ -n "${KEEP:-}" ] || return 0
+  rm -rf /tmp/full27_run
+  KEEP_RUN=(--run-dir /tmp/full27_run)
+  EXTRA+=(trainer.save_last=true trainer.save_optimizer=false)
+}
 read -r -a EXTRA <<< "${EXTRA_OVERRIDES:-}"
 read -r -a FP8 <<< "${FP8_ARGS:-}"
 PY=(python3)  # PYSPY=1: the benchmark's driver under py-spy (staged by scripts/gpu/stage_extra.sh), raw stacks to $OUT
@@ -147,9 +154,7 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         *) echo "full27: unknown LAYOUT=$LAYOUT (tp1, tp4, tp4ep4, tp4x2nodes)"; exit 2 ;;
       esac
       name=full27_${LAYOUT:-tp1}${R3:+_r3}${TAG:-}
-      # KEEP=1: the run's last step saves the model (no optimizer state) into /tmp/full27_run for `export27`
-      KEEP_RUN=(); [ -n "${KEEP:-}" ] && rm -rf /tmp/full27_run && KEEP_RUN=(--run-dir /tmp/full27_run) \
-        && FULL+=(trainer.save_last=true trainer.save_optimizer=false)
+      keep_run
       timeout "${LIMIT:-590}" "${RUN[@]}" "${PY[@]}" benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
         --out "$OUT/$name.json" --logs "$OUT/${name}_engine_logs" "${KEEP_RUN[@]}" --no-engine-alone "${FULL[@]}" \
         trainer.total_training_steps="${STEPS:-3}" ${R3:+actor.routing_replay=true} "${EXTRA[@]}" 2>&1 | quiet \
@@ -168,11 +173,9 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         --out "$OUT/export27${TAG:-}.json" --tokens "${TOKENS:-256}" --replay --checkpoint "$step" rollout.tp_size=1 \
         rollout.ep_size=1 "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/export27${TAG:-}.log" | tail -75 ;;
     loopx)  # the loop on CONFIG with EXTRA_OVERRIDES as given, as NAME; RAYLETS=NxG runs it over N raylets of G GPUs
-      # (the engine's nnodes=N when its TP spans them), e.g. the 2 x H200 engine layouts at the depth that fits there;
-      # KEEP=1: the last step saves the model (no optimizer state) into /tmp/full27_run, for `export27`
+      # (the engine's nnodes=N when its TP spans them), e.g. the 2 x H200 engine layouts at the depth that fits there
       RUN=(); [ -n "${RAYLETS:-}" ] && RUN=(python3 scripts/gpu/raylets.py --nodes "${RAYLETS%x*}" --gpus-per-node "${RAYLETS#*x}" --)
-      KEEP_RUN=(); [ -n "${KEEP:-}" ] && rm -rf /tmp/full27_run && KEEP_RUN=(--run-dir /tmp/full27_run) \
-        && EXTRA+=(trainer.save_last=true trainer.save_optimizer=false)
+      keep_run
       timeout "${LIMIT:-590}" "${RUN[@]}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
         --out "$OUT/${NAME:-loopx}.json" --logs "$OUT/${NAME:-loopx}_logs" "${KEEP_RUN[@]}" --no-engine-alone "${EXTRA[@]}" 2>&1 | quiet \
         | tee "$OUT/${NAME:-loopx}.log" | tail -60 ;;
