@@ -211,6 +211,12 @@ class _Trainer:
     def onload(self):
         self.group.call("onload_states")
 
+    def drop_grads(self):
+        self.group.call("drop_grads")
+
+    def restore_grads(self):
+        self.group.call("restore_grads")
+
 
 def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, prompt_idx: list[int], step: int,
             kl_ctrl=None) -> dict:

@@ -101,6 +101,19 @@ class MemoryMoves:
         moved = off["grads"].offload() + off["others"].offload() + off["optimizer"].offload()
         return moved + (off["weights"].offload() if weights else 0)
 
+    def drop_grads(self) -> None:
+        """With the states kept on the GPU while a colocated engine runs (memory.offload_train_states
+        false): the grad buffers freed, and the allocator's cached blocks (the update's activations)
+        given back, which the engine's processes could not use otherwise."""
+        self._writes_done()
+        if self._moves_states():
+            self._offloaders()["grads"].offload()
+            torch.cuda.empty_cache()
+
+    def restore_grads(self) -> None:
+        if self._moves_states():
+            self._offloaders()["grads"].onload()
+
     def onload_states(self) -> None:
         """The weights and other model states back now; the optimizer's in the background."""
         self._writes_done()

@@ -33,6 +33,10 @@ class Trainer(Protocol):
 
     def onload(self) -> None: ...
 
+    def drop_grads(self) -> object: ...  # states kept on the GPU: only the grads freed, and the cache
+
+    def restore_grads(self) -> None: ...
+
 
 class SaverEngine:
     """An engine whose memory is our own torch_memory_saver regions (tests).
@@ -93,6 +97,8 @@ class Colocation:
             after_release()
         if self.offload_train_states:
             self._timed("onload_trainer", self.trainer.onload)
+        else:
+            self._timed("restore_grads", self.trainer.restore_grads)
         self.phase = "train"
 
     def to_rollout(self, after_offload: Callable[[], dict] | None = None,
@@ -104,6 +110,8 @@ class Colocation:
             raise RuntimeError(f"to_rollout() called in phase {self.phase!r}")
         if self.offload_train_states:
             self.moved["offload_trainer"] = self._timed("offload_trainer", self.trainer.offload, weights=False)
+        else:  # the states stay; the grads (zeroed before each update) and the update's cached blocks go
+            self._timed("drop_grads", self.trainer.drop_grads)
         if before_sync:
             before_sync()
         self._check("weights")

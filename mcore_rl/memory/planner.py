@@ -393,7 +393,8 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
     worst_train = max(range(i.pp), key=lambda s: sum(stages[s].values()))
     worst_rest = max(range(i.pp), key=lambda s: sum(stages[s][k] for k in states))
     train, rest = stages[worst_train], stages[worst_rest]
-    residue = {} if i.offload_train_states else {k: rest[k] for k in states}
+    # kept states: the grads are freed all the same (Colocation.to_rollout), the rest stays
+    residue = {} if i.offload_train_states else {k: rest[k] for k in states if k != "megatron grads"}
     always = {"reserved (contexts, NCCL)": i.reserved}
     buckets = {"sync buckets": SYNC_BUCKETS * i.sync_bucket}
     # offloaded states leave in two parts: the weights after the sync, which reads them on the GPU

@@ -1,8 +1,10 @@
 """The colocated phase change's moves of the training states (mcore_rl.actor.memory, the offloaders
 of mcore_rl.memory.offload), driven on CPU with megatron's DDP + distributed optimizer at EP2 over
 gloo: update, offload the other states and free the grad buffers, offload the weights, onload,
-update again. Weights, optimizer states and logits must equal, bit for bit, two updates with no
-phase change between them; the grad buffers must really be freed and nothing read from them."""
+update again; and the change that keeps the states on the GPU (memory.offload_train_states false or
+the plan's auto): the grad buffers freed and restored. Weights, optimizer states and logits must equal,
+bit for bit, two updates with no phase change between them; the grad buffers must really be freed and
+nothing read from them."""
 
 from __future__ import annotations
 
@@ -32,12 +34,12 @@ def _run(rank, root):
     from megatron.core import parallel_state as ps
 
     for dtype in (torch.float32, torch.bfloat16):  # fp32 main params view the weights; bf16's are their own
-        for phase_change in (False, True):
+        for phase_change in (None, "offload", "kept"):
             _cycle(rank, root, dtype, phase_change)
             ps.destroy_model_parallel()
 
 
-def _cycle(rank, root, dtype, phase_change: bool):
+def _cycle(rank, root, dtype, phase_change: str | None):
     from mcore_rl.actor.memory import MemoryMoves
 
     ddp, opt = _setup(root, 1, 2, 1, os.path.join(root, "ckpt"), dtype=dtype)
@@ -56,7 +58,17 @@ def _cycle(rank, root, dtype, phase_change: bool):
 
     _train_step(ddp, opt, seed=1)
     report = {}
-    if phase_change:
+    if phase_change == "kept":
+        moves = Moves()
+        weight = next(ddp.parameters())
+        moves.drop_grads()
+        report["grads_freed"] = all(p.main_grad.untyped_storage().nbytes() == 0 for p in ddp.parameters())
+        report["weights_stay"] = weight.untyped_storage().nbytes() > 0
+        report["nothing_offloaded"] = not any(o.offloaded for k, o in moves._offloaders().items() if k != "grads")
+        moves.restore_grads()
+        report["grads_back_zeroed"] = all(p.main_grad.untyped_storage().nbytes() > 0 and not p.main_grad.any()
+                                          for p in ddp.parameters())
+    elif phase_change == "offload":
         moves = Moves()
         total = moves.state_bytes()
         grad_storages = {p.main_grad.untyped_storage()._cdata for p in ddp.parameters()}
@@ -77,7 +89,7 @@ def _cycle(rank, root, dtype, phase_change: bool):
                                           for p in ddp.parameters())
     _train_step(ddp, opt, seed=2)
     torch.save({"states": _states(ddp, opt), "logits": _eval(ddp), "report": report},
-               os.path.join(root, f"{'moved' if phase_change else 'still'}.{dtype}.rank{rank}.pt"))
+               os.path.join(root, f"{phase_change or 'still'}.{dtype}.rank{rank}.pt"))
 
 
 def test_phase_change_moves_keep_training_bit_exact(tiny):  # noqa: F811 - the fixture
@@ -85,10 +97,11 @@ def test_phase_change_moves_keep_training_bit_exact(tiny):  # noqa: F811 - the f
     distributed.run(_run, 2, root)
     for rank, dtype in itertools.product(range(2), (torch.float32, torch.bfloat16)):
         still = torch.load(os.path.join(root, f"still.{dtype}.rank{rank}.pt"), weights_only=True)
-        moved = torch.load(os.path.join(root, f"moved.{dtype}.rank{rank}.pt"), weights_only=True)
-        assert moved["report"] and all(moved["report"].values()), moved["report"]
-        assert still["states"].keys() == moved["states"].keys() and len(still["states"]) > 10
-        for k, v in still["states"].items():
-            assert torch.equal(v, moved["states"][k]), k
-        if still["logits"] is not None:
-            assert torch.equal(still["logits"], moved["logits"])
+        for change in ("offload", "kept"):
+            moved = torch.load(os.path.join(root, f"{change}.{dtype}.rank{rank}.pt"), weights_only=True)
+            assert moved["report"] and all(moved["report"].values()), (change, moved["report"])
+            assert still["states"].keys() == moved["states"].keys() and len(still["states"]) > 10
+            for k, v in still["states"].items():
+                assert torch.equal(v, moved["states"][k]), (change, k)
+            if still["logits"] is not None:
+                assert torch.equal(still["logits"], moved["logits"]), change

@@ -64,6 +64,12 @@ class Recorder:
     def onload(self):
         self.log.append((self.name, "onload"))
 
+    def drop_grads(self):
+        self.log.append((self.name, "drop grads"))
+
+    def restore_grads(self):
+        self.log.append((self.name, "restore grads"))
+
 
 def test_choreography_order_and_guard():
     log = []
@@ -89,6 +95,21 @@ def test_choreography_order_and_guard():
     with pytest.raises(ResumeRefused, match="'weights'.*short by 1,024 MiB"):
         co.to_rollout()
     assert ("engine", "resume", ("weights",)) not in log
+
+
+def test_kept_states_move_nothing_but_free_the_grads():
+    """memory.offload_train_states false (or the plan's auto keeping them): no state leaves the GPU;
+    the grads are freed before the engine resumes and back before the trainer runs."""
+    log = []
+    co = Colocation(Recorder(log, "engine"), Recorder(log, "trainer"), lambda: log.append(("sync",)),
+                    offload_train_states=False)
+    co.to_train()
+    co.to_rollout(after_offload=lambda: log.append(("save",)) or {})
+    assert log == [("engine", "release", ("kv_cache", "weights", "cuda_graph")), ("trainer", "restore grads"),
+                   ("trainer", "drop grads"), ("engine", "resume", ("weights",)), ("sync",), ("save",),
+                   ("engine", "resume", ("kv_cache", "cuda_graph"))]
+    assert set(co.timings) == {"release_rollout", "restore_grads", "drop_grads", "resume_weights", "sync",
+                               "resume_kv_cache"}
 
 
 def test_saver_engine_resumes_dense_weights_then_expert_chunks():
