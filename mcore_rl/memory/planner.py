@@ -106,6 +106,11 @@ GiB = 1 << 30
 MiB = 1 << 20
 PHASES = ("train", "sync", "rollout")
 SYNC_BUCKETS = 3  # two bucket buffers in flight and the gathers filling one (docstring)
+# Kept trainer states (offload_train_states false): what the trainer's process holds beyond them while
+# the engine runs. Measured on 4 x H200, Moonlight's 27 layers, TP4 engine (2026-11-28): its allocator
+# reserved 2.0 GiB over the kept states after the sync, and the rollout peaked 2.0 GiB over a plan made
+# with 3 GiB more reserve (6 GiB of reserve alone: the KV resume was refused, 2.2 GiB short).
+KEPT_STATES_SLACK = 5 * GiB
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -394,7 +399,8 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
     worst_rest = max(range(i.pp), key=lambda s: sum(stages[s][k] for k in states))
     train, rest = stages[worst_train], stages[worst_rest]
     # kept states: the grads are freed all the same (Colocation.to_rollout), the rest stays
-    residue = {} if i.offload_train_states else {k: rest[k] for k in states if k != "megatron grads"}
+    residue = {} if i.offload_train_states else {**{k: rest[k] for k in states if k != "megatron grads"},
+                                                  "trainer cache (kept states)": KEPT_STATES_SLACK}
     always = {"reserved (contexts, NCCL)": i.reserved}
     buckets = {"sync buckets": SYNC_BUCKETS * i.sync_bucket}
     # offloaded states leave in two parts: the weights after the sync, which reads them on the GPU
