@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_rl.cli_errors import BadInput, hf_config
-from mcore_rl.model_checks import FAMILY_DEFAULTS, hf_config_problems, num_experts, unknown_type
+from mcore_rl.preflight.bad_input import BadInput, hf_config
+from mcore_rl.models.checks import FAMILY_DEFAULTS, hf_config_problems, num_experts, unknown_type
 
 
 class UnsupportedModelError(BadInput):

@@ -99,7 +99,7 @@ def test_the_walk_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
     known = modules()
-    assert "mcore_rl.config_checks" in imports_of("mcore_rl.config", known["mcore_rl.config"], known)
+    assert "mcore_rl.config.checks" in imports_of("mcore_rl.config.sections", known["mcore_rl.config.sections"], known)
 
 
 def test_no_import_circles():
