@@ -54,7 +54,7 @@ class HFModel:
         raise AttributeError(item)
 
     def get(self, key, default=None):
-        """The config's value, else the family's default (model_checks.FAMILY_DEFAULTS), else `default`."""
+        """The config's value, else the family's default (mcore_rl.models.checks.FAMILY_DEFAULTS), else `default`."""
         if key in self.cfg:
             return self.cfg[key]
         return FAMILY_DEFAULTS[self.model_type].get(key, default)

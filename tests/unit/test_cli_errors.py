@@ -620,7 +620,7 @@ def test_a_shipped_config_resolves_by_name_when_installed(tmp_path):
     import zipfile
 
     src, site = tmp_path / "src", tmp_path / "site"
-    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "mcore_rl", "converters", "configs"],
+    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "mcore_rl", "configs"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
         dst = src / rel
