@@ -102,8 +102,8 @@ def samples_per_rank(args, memory_run: bool = False) -> int:
 def run_config(args, name: str) -> dict:
     """The run's full config (as the trainer validates it): the actor's DP slice of the batch is one
     mini-batch, packed up to --budget tokens per micro-batch."""
-    from mcore_rl import config as C
-    from mcore_rl import config_checks
+    from mcore_rl.config import sections as C
+    from mcore_rl.config import checks as config_checks
 
     mini = samples_per_rank(args, RUNS[name][2]) * args.gpus
     cfg = C.config_from_dict(C.apply_overrides({"model": {"hf_config": args.hf_cfg}}, [
@@ -123,10 +123,10 @@ def _overrides_of(args, name: str) -> list[str]:
 
 
 class MemoryProbe:
-    """Peaks before and during the optimizer step (mcore_rl.optim.step, as the actor calls it)."""
+    """Peaks before and during the optimizer step (mcore_rl.parallel.optimizer.step, as the actor calls it)."""
 
     def __init__(self):
-        from mcore_rl import optim
+        from mcore_rl.parallel import optimizer as optim
 
         self.real, self.before, self.during = optim.step, 0, 0
         optim.step = self.step
@@ -150,7 +150,7 @@ class MemoryProbe:
 def plan_inputs(actor, cfg: dict, tokens: int, responses: int) -> dict:
     """PlanInputs for this run, at the largest micro-batch the actor packed (its tokens and its
     response tokens): the planner runs in the parent, which can build megatron's unsharded skeleton."""
-    from mcore_rl.config_checks import recompute_choice
+    from mcore_rl.config.checks import recompute_choice
 
     mode, layers, modules = recompute_choice(cfg["memory"])
     opts = actor._optim_options()
@@ -279,7 +279,7 @@ def worker(rank: int, args, names: list[str], skip: tuple, port: int, hf_dir: st
 def checks_worker(rank: int, hf_cfg: dict, port: int, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from tests.gpu import gpu_checks
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     init_distributed(Layout())
     results.put(gpu_checks.run_all(hf_cfg))
@@ -331,8 +331,8 @@ def parse(argv=None):
     args.hf_cfg = hf_config("tiny_cpu.yaml" if args.tiny else args.config, args.layers)
     if args.layers != args.hf_cfg["num_hidden_layers"]:
         args.layers = args.hf_cfg["num_hidden_layers"]
-    from mcore_rl import config as C
-    from mcore_rl import config_checks
+    from mcore_rl.config import sections as C
+    from mcore_rl.config import checks as config_checks
 
     try:  # every run's config, checked before any process starts
         for n in names:
@@ -364,7 +364,7 @@ def _spawned(target, nprocs: int, extra: tuple, count: int, on_result=None) -> l
 
 def run(args) -> dict:
     from benchmarks.harness import MATMUL_PEAK
-    from mcore_rl.parallel import free_port
+    from mcore_rl.parallel.groups import free_port
 
     report = dict(device="cpu" if args.cpu else torch.cuda.get_device_name(), torch=torch.__version__,
                   gpus=args.gpus, ep=args.gpus, layers=args.layers, hf_cfg=args.hf_cfg, budget=args.budget,
@@ -654,8 +654,9 @@ def layer_worker(rank: int, args, port: int, results):
     sys.path.insert(0, ROOT)
     from benchmarks.harness import MATMUL_PEAK, SPEC_PEAK, flops_per_token
     from benchmarks.harness import hf_config
-    from mcore_rl.models import HFModel, build_model, transformer_config
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     init_distributed(Layout(tp=args.tp, ep=args.ep))
     cfg = hf_config("tiny_cpu.yaml" if args.tiny else args.config, args.layers)
@@ -726,7 +727,7 @@ def layer_main(argv=None) -> int:
         p.error(f"--gpus {args.gpus} but {torch.cuda.device_count()} visible")
     sys.path.insert(0, ROOT)
     from benchmarks.harness import write_json
-    from mcore_rl.parallel import free_port
+    from mcore_rl.parallel.groups import free_port
 
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.SimpleQueue()

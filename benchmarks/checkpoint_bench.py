@@ -4,7 +4,7 @@
 
 Writes an HF checkpoint of the real shapes (`configs/moonlight_16b.yaml`'s model, random bf16
 values seeded by each tensor's name, streamed tensor by tensor), converts it with
-`python -m converters hf-to-mcore` at TP2/PP2/EP4 and back with `mcore-to-hf`, each in a child
+`python -m mcore_rl.convert hf-to-mcore` at TP2/PP2/EP4 and back with `mcore-to-hf`, each in a child
 process whose peak RSS comes from wait4(). The input is deleted before the way back (disk), so
 the output is checked bit-exact against the values regenerated from their seeds. Prints a table,
 writes JSON, deletes the data.
@@ -15,7 +15,7 @@ writes JSON, deletes the data.
 
 Writes `--ranks` rank files (DTensor Shard(0) over a 1-D mesh, verl's names and layout) split
 over `--nodes` directories, one rank file at a time (one rank's shard in memory, not the model),
-runs `python -m converters merge` in a child process and reads its peak RSS from wait4(), checks
+runs `python -m mcore_rl.convert merge` in a child process and reads its peak RSS from wait4(), checks
 sampled output tensors against the fill pattern, prints a table, writes JSON, deletes the data.
 
     python benchmarks/checkpoint_bench.py merge --work /tmp/merge_bench --json merge_bench.json
@@ -52,16 +52,16 @@ def value(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
 
 
 def planned(cfg: dict):
-    from converters.planned_writer import Planned
+    from mcore_rl.convert.planned_writer import Planned
     from mcore_rl.memory.layout import inventory
-    from mcore_rl.models import HFModel
+    from mcore_rl.models.config import HFModel
 
     return [Planned(name, shape, torch.float32 if w.split == "buffer" else torch.bfloat16)
             for w in inventory(HFModel.from_dict(cfg)) for name, shape in w.hf]
 
 
 def write_hf(out: str, cfg: dict) -> int:
-    from converters.planned_writer import PlannedWriter
+    from mcore_rl.convert.planned_writer import PlannedWriter
 
     os.makedirs(out)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -105,7 +105,7 @@ def convert_main(argv=None) -> int:
         t0 = time.perf_counter()
         nbytes = write_hf(hf, cfg)
         gen_s = time.perf_counter() - t0
-        py = [sys.executable, "-m", "converters"]
+        py = [sys.executable, "-m", "mcore_rl.convert"]
         to_mcore = run_child([*py, "hf-to-mcore", "--hf", hf, "--out", mc, "--tp", str(a.tp), "--pp", str(a.pp),
                               "--ep", str(a.ep)], cwd=ROOT)
         shutil.copy(os.path.join(hf, "config.json"), os.path.join(a.work, "config.json"))
@@ -212,7 +212,7 @@ def check_samples(out: str, layers: int, ranks: int) -> int:
 
 
 def timed_merge(dirs: list[str], out: str) -> dict:
-    cmd = [sys.executable, "-m", "converters", "merge", "--backend", "fsdp", "--local-dir", *dirs,
+    cmd = [sys.executable, "-m", "mcore_rl.convert", "merge", "--backend", "fsdp", "--local-dir", *dirs,
            "--target-dir", out]
     env = dict(os.environ, MCORE_RL_NO_PROGRESS="1")
     res = run_child(cmd, env=env, cwd=ROOT)

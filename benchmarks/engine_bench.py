@@ -191,8 +191,8 @@ def logprob_gap_main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"  # the loop's FP8 engines' default (rollout.fp8_kernels)
-    from mcore_rl import config as C
-    from mcore_rl import config_checks
+    from mcore_rl.config import sections as C
+    from mcore_rl.config import checks as config_checks
 
     try:
         cfg = C.load_config(a.config, [f"model.hf_config.num_hidden_layers={a.layers}"] * bool(a.layers))
@@ -422,8 +422,8 @@ def speed_main(argv: list[str]) -> int:
     # SGLang's pre-compile covers every batch size up to 16k tokens ("10-20 mins", its own log);
     # compiled on first use instead, within the engine's start (start_s) and the warm-up call
     os.environ["SGLANG_JIT_DEEPGEMM_PRECOMPILE"] = "0"
-    from mcore_rl import config as C
-    from mcore_rl import config_checks
+    from mcore_rl.config import sections as C
+    from mcore_rl.config import checks as config_checks
 
     # the tile folder goes through the config: a folder without tiles is refused as in the loop
     try:
@@ -468,19 +468,20 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def trainer_model(cfg, gpu: bool):
     """The policy as the trainer builds it (seeded init, or model.hf_path converted), one process."""
-    from mcore_rl import console
+    from mcore_rl.metrics import console
 
     console.quiet_fallback_warnings()
     print(console.accelerators_line(), flush=True)
-    from mcore_rl.models import HFModel, build_model, transformer_config
-    from mcore_rl.parallel import Layout, free_port, init_distributed
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.groups import Layout, free_port, init_distributed
 
     if gpu:
         torch.cuda.set_device(0)
     init_distributed(Layout(), rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
                      seed=cfg.trainer.seed)
-    from mcore_rl import config as C
-    from mcore_rl import config_checks
+    from mcore_rl.config import sections as C
+    from mcore_rl.config import checks as config_checks
 
     hf = HFModel.from_dict(config_checks.hf_model_dims(cfg.model))
     model = build_model(hf, transformer_config(hf, dtype=DTYPES[cfg.model.dtype])).eval()
@@ -489,8 +490,8 @@ def trainer_model(cfg, gpu: bool):
 
 def export(cfg, model, work: str) -> str:
     """An HF directory of `model`'s weights (the converter's export), or model.hf_path loaded into it."""
-    from converters.convert import hf_to_mcore, mcore_to_hf
-    from mcore_rl.checkpoint import load_model, save_model
+    from mcore_rl.convert.hf_mcore import hf_to_mcore, mcore_to_hf
+    from mcore_rl.checkpoint.model import load_model, save_model
 
     if cfg.model.hf_path:
         load_model(model, hf_to_mcore(cfg.model.hf_path, os.path.join(work, "mcore"), dtype=cfg.model.dtype))
@@ -512,12 +513,12 @@ def export_checkpoint(model, step_dir: str, out: str) -> dict:
     user runs), with the export's seconds and the converter process's peak host memory."""
     import resource
 
-    from mcore_rl.checkpoint import load_model
+    from mcore_rl.checkpoint.model import load_model
 
     ckpt = os.path.join(step_dir, "model")
     load_model(model, ckpt)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "converters", "mcore-to-hf", "--ckpt", ckpt, "--out", out], check=True, cwd=REPO)
+    subprocess.run([sys.executable, "-m", "mcore_rl.convert", "mcore-to-hf", "--ckpt", ckpt, "--out", out], check=True, cwd=REPO)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the largest child so far: the converter
     size = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out) if n.endswith(".safetensors"))
@@ -529,7 +530,7 @@ def export_checkpoint(model, step_dir: str, out: str) -> dict:
 def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[int], out: str) -> None:
     """In a process of its own (SGLang kills the process that made an engine when it fails): one engine,
     each layer's output in the prefill of `tokens`, the log-prob of each token, the routed experts."""
-    from mcore_rl import config as C
+    from mcore_rl.config import sections as C
     from mcore_rl.rollout import jit_cache
     from mcore_rl.rollout import sglang as S
     from mcore_rl.sync.engine_layout import EngineLayout
@@ -575,7 +576,7 @@ def trainer_side(hf, model, tokens: list[int], device, routes=None) -> dict:
     layer's router took; `routes` [tokens, layers, top-k]: the routers take those instead (R3)."""
     from mcore_rl.models import replay
     from mcore_rl.models.forward import full_logits
-    from mcore_rl.routing import ExpertLayout
+    from mcore_rl.models.routed_experts import ExpertLayout
 
     kept = []
 
@@ -628,7 +629,7 @@ def hidden_gap_main(argv: list[str]) -> int:
     ap.add_argument("--tokens", type=int, default=256, help="length of the random token sequence")
     ap.add_argument("--replay", action="store_true", help="also the trainer with the engine's experts (R3)")
     ap.add_argument("--checkpoint", help="a run's checkpoint (checkpoints/step_N): the trainer loads its model, and the "
-                                         "engine loads the export that `python -m converters mcore-to-hf` makes of it")
+                                         "engine loads the export that `python -m mcore_rl.convert mcore-to-hf` makes of it")
     ap.add_argument("--engine-side", nargs=3, metavar=("MODEL_DIR", "TOKENS_JSON", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
@@ -636,7 +637,7 @@ def hidden_gap_main(argv: list[str]) -> int:
         model_dir, tokens_json, out = a.engine_side
         engine_side(a.config, a.overrides, model_dir, json.load(open(tokens_json)), out)
         return 0
-    from mcore_rl import config as C
+    from mcore_rl.config import sections as C
     from mcore_rl.rollout.sglang import engine_model_dir
 
     cfg = C.load_config(a.config, a.overrides)

@@ -12,7 +12,7 @@ causal attention per token, over the update's wall time) and % of the measured 7
 peak, and memory: the per-phase peaks the loop logs each step (`memory/gpu_peak_gib_{train,sync,
 rollout,save}`: NVML, all processes, the max over GPUs; `memory/host_rss_peak_gib_save`: the
 actors' host RSS during the checkpoint), `timing/save` and `checkpoint/state_gib`, per step and as
-the max over steps 2..N, next to the memory plan's per-phase GiB (`mcore_rl.plan`), and the whole
+the max over steps 2..N, next to the memory plan's per-phase GiB (`mcore_rl.memory.plan`), and the whole
 run's GPU and host-RSS peaks sampled from here. The checkpoint stays in the loop
 (`trainer.save_freq` as configured; the last step always saves). Prints a table ("not measured"
 where the loop logged nothing); writes JSON.
@@ -45,7 +45,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks.harness import MATMUL_PEAK, attention_flops_per_token, table, write_json  # noqa: E402
-from mcore_rl.plot import records_by_step  # noqa: E402
+from mcore_rl.metrics.plot import records_by_step  # noqa: E402
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
           "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "sync/begin_end_seconds",
@@ -95,7 +95,7 @@ def run_loop(config: str, overrides: list[str], out: str, logs: str | None = Non
     which on a local Ray run holds the raylet, actors and engines) and its start-up (each phase's
     seconds and the seconds to step 1, `console.start_record`). logs: where the run's engine logs
     (`out`/logs) and its metrics.jsonl are copied when it ends, failed or cut (SIGTERM, as `timeout` sends) too."""
-    from mcore_rl.console import start_record
+    from mcore_rl.metrics.console import start_record
     from mcore_rl.memory.monitor import PhaseMonitor
 
     cmd = [sys.executable, "-m", "mcore_rl.train", "--config", config, f"trainer.output_dir={out}",
@@ -186,8 +186,8 @@ def train_seconds(trained: list[dict]) -> float:
 
 def compare_modes(config: str, overrides: list[str], modes: list[str], out: str) -> int:
     """The loop once per trainer mode; samples/s and the async metrics side by side."""
-    from mcore_rl import config as C
-    from mcore_rl import config_checks
+    from mcore_rl.config import sections as C
+    from mcore_rl.config import checks as config_checks
 
     work = tempfile.mkdtemp(prefix="rl_loop_modes_")
     rows = []
@@ -249,10 +249,10 @@ def main() -> int:
         if unknown := set(a.modes.split(",")) - set(MODE_ARGS):
             ap.error(f"--modes: unknown {sorted(unknown)}; choose from {sorted(MODE_ARGS)}")
         return compare_modes(a.config, a.overrides, a.modes.split(","), a.out)
-    from mcore_rl import config as C
-    from mcore_rl import config_checks
+    from mcore_rl.config import sections as C
+    from mcore_rl.config import checks as config_checks
     from mcore_rl.models.config import HFModel
-    from mcore_rl.plan import plan_for_config
+    from mcore_rl.memory.plan import plan_for_config
 
     cfg = C.load_config(a.config, a.overrides)
     hf = HFModel.from_dict(config_checks.hf_model_dims(cfg.model))

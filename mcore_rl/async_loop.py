@@ -34,8 +34,8 @@ from typing import Callable
 
 import torch
 
-from mcore_rl import config as C
-from mcore_rl import config_checks
+from mcore_rl.config import sections as C
+from mcore_rl.config import checks as config_checks
 
 
 def staleness_metrics(token_versions: torch.Tensor, response_mask: torch.Tensor, trainer_version: int) -> dict:

@@ -68,7 +68,7 @@ class Packed:
     response_rows: torch.Tensor  # [n]
     response_targets: torch.Tensor  # [n]
     response_index: torch.Tensor  # [n]
-    # with routed experts (mcore_rl.routing): the engine's ids at each packed position [T, MoE layers,
+    # with routed experts (mcore_rl.models.routed_experts): the engine's ids at each packed position [T, MoE layers,
     # top-k] (-1 on the filler), and where each position came from in the batch (row * width + column)
     routes: torch.Tensor | None = None
     source: torch.Tensor | None = None
@@ -115,7 +115,7 @@ def sample_lengths(attention_mask: torch.Tensor) -> list[int]:
 def pack(tokens: torch.Tensor, attention_mask: torch.Tensor, response_len: int, rows: list[int],
          pad_to: int = 0, pad_id: int = 0, routes: torch.Tensor | None = None) -> Packed:
     """Pack `rows` of a batch without their padding; a filler segment makes T = max(T, pad_to).
-    routes: the batch's [B, L, MoE layers, top-k] (mcore_rl.routing), packed beside the tokens."""
+    routes: the batch's [B, L, MoE layers, top-k] (mcore_rl.models.routed_experts), packed beside the tokens."""
     R, L = response_len, tokens.shape[1]
     ids, starts, pred = [], [0], torch.zeros(len(rows), R, dtype=torch.long)
     valid = attention_mask[rows, L - R:].bool()

@@ -14,8 +14,8 @@ import torch
 
 from typing import Callable
 
-from mcore_rl import config as C
-from mcore_rl import config_checks
+from mcore_rl.config import sections as C
+from mcore_rl.config import checks as config_checks
 from mcore_rl import ppo
 from mcore_rl.algos.dapo import varied_groups
 
@@ -90,7 +90,7 @@ def round_generator(cfg: C.Config, engine, source) -> Callable[[list[int], int],
 
 def expert_layout(cfg: C.Config):
     """The layout of the routes the engines return (routing replay), or None when they return none."""
-    from mcore_rl.routing import ExpertLayout
+    from mcore_rl.models.routed_experts import ExpertLayout
 
     return ExpertLayout.of(config_checks.hf_model_dims(cfg.model)) if config_checks.returns_routes(cfg) else None
 

@@ -57,7 +57,7 @@ def _run(model, micro_batches: list[Packed], on_last_stage: OnOutput, tp_gather:
     # because EP ranks could then differ in token counts; the actor's plan gives them equal lengths.
     config = get_model_config(model)
     config.variable_seq_lengths = True
-    # with overlapped grad reduction (mcore_rl.optim.wrap) megatron's DDP reduces a bucket as soon as
+    # with overlapped grad reduction (mcore_rl.parallel.optimizer.wrap) megatron's DDP reduces a bucket as soon as
     # backward fills it: only on the last micro-batch, the others run inside no_sync. Set per call:
     # the policy, its reference and the critic may share one config.
     ddp = getattr(model, "ddp_config", None)

@@ -4,7 +4,7 @@ group is removed and the run stops with one line: what was asked for and what th
 
 from __future__ import annotations
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.preflight.bad_input import BadInput
 
 
 class PlacementTimeout(BadInput):

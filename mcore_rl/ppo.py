@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl import config as C
+from mcore_rl.config import sections as C
 
 
 def pad_prompts(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +29,7 @@ def rollout(engine, source, idx: list[int], params, experts=None) -> dict:
     row) with the rollout engine, as a batch: tokens [B, P + R] (left-padded prompts, responses
     right-padded to the longest), attention_mask, response_mask (1 up to and including the stop
     token; a multi-turn completion's 0 on the environment's tokens) and the engine's log-probs of its sampled tokens (rollout_log_probs). experts (an
-    mcore_rl.routing.ExpertLayout, when the engine returns routes): also the engine's routes."""
+    mcore_rl.models.routed_experts.ExpertLayout, when the engine returns routes): also the engine's routes."""
     n = params.n
     firsts = idx[::n]
     if [i for i in firsts for _ in range(n)] != idx:
@@ -57,7 +57,7 @@ def completions_batch(source, idx: list[int], done: list, experts=None, engine_l
     batch = {"tokens": torch.cat([prompts, resp], 1), "attention_mask": torch.cat([pmask, attended], 1),
              "response_mask": resp_mask, "rollout_log_probs": logps}
     if experts is not None:
-        from mcore_rl.routing import batch_routes
+        from mcore_rl.models.routed_experts import batch_routes
 
         batch["routes"] = batch_routes(done, [len(source.prompts[i]) for i in idx], batch["tokens"].shape[1],
                                        experts, engine_label)

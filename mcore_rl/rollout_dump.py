@@ -17,7 +17,7 @@ import zipfile
 
 import torch
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.preflight.bad_input import BadInput
 
 _NAME = re.compile(r"step_(\d+)\.pt$")
 
@@ -61,8 +61,8 @@ def load_dump(path: str, model: dict | None = None) -> dict:
 
 
 def _check_model(path: str, d: dict, model: dict) -> None:
-    from mcore_rl.model_checks import num_experts
-    from mcore_rl.run_dir import model_changes
+    from mcore_rl.models.checks import num_experts
+    from mcore_rl.preflight.run_dir import model_changes
 
     if d.get("model") is not None:
         changed = model_changes(d["model"], model)

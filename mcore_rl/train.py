@@ -19,12 +19,12 @@ import time
 
 import torch
 
-from mcore_rl import config as C
-from mcore_rl import config_checks
-from mcore_rl import run_checkpoints as run_ckpt
-from mcore_rl.run_checkpoints import Checkpointer
-from mcore_rl.parallel import rendezvous_on
-from mcore_rl.run_dir import RunLock
+from mcore_rl.config import sections as C
+from mcore_rl.config import checks as config_checks
+from mcore_rl.checkpoint import steps as run_ckpt
+from mcore_rl.checkpoint.steps import Checkpointer
+from mcore_rl.parallel.groups import rendezvous_on
+from mcore_rl.preflight.run_dir import RunLock
 
 # where the run is, for the line a stop by signal prints (set by train and its loop)
 PROGRESS: dict = {"step": None, "done": None, "total": None, "ckpt_root": None, "signal": None}
@@ -291,7 +291,7 @@ def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str, start=None) ->
     console.StartConsole that shows each conversion as a start-up phase."""
     if not cfg.model.hf_path:
         return {}
-    from converters.convert import hf_to_mcore
+    from mcore_rl.convert.hf_mcore import hf_to_mcore
 
     def converted(src: str, name: str) -> str:
         out = os.path.join(run_dir, "init_mcore", name)
@@ -311,7 +311,7 @@ def memory_plan(cfg: C.Config):
     """The memory plan of a GPU run (None on CPU), made before anything takes GPU memory, so that
     its capacity is the GPUs' free memory; a plan that cannot fit raises MemoryPlanError here. The
     config's "auto" budget and recompute become the plan's picks (on CPU, their defaults)."""
-    from mcore_rl.plan import apply_choice, plan_for_config, settle_without_plan
+    from mcore_rl.memory.plan import apply_choice, plan_for_config, settle_without_plan
 
     if cfg.cluster.device != "gpu":
         settle_without_plan(cfg)
@@ -352,13 +352,13 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None, stop_on_signal:
     """The RL loop. inputs: preflight.check_inputs(cfg), where the caller has made it; replay: a
     rollout_dump_dir to train on instead of sampling (no engine, no prompts, no validation);
     stop_on_signal: SIGTERM and SIGINT raise Stopped (the command line's run)."""
-    from mcore_rl.preflight import check_inputs
+    from mcore_rl.preflight.inputs import check_inputs
 
     inputs = inputs if inputs is not None else check_inputs(cfg, replay=replay)
     train_task, val_task = inputs.train, inputs.val
     run_dir = os.path.abspath(cfg.trainer.output_dir)
     plan = memory_plan(cfg)
-    from mcore_rl.console import StartConsole
+    from mcore_rl.metrics.console import StartConsole
 
     start_console = StartConsole()  # a line per start-up phase, with its seconds
     with start_console.phase("starting Ray, placing the trainer"):
@@ -461,8 +461,8 @@ def _torch_threads(n: int):
 
 def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start, state,
           first_sync: dict) -> dict:
-    from mcore_rl.console import StepConsole
-    from mcore_rl.metrics import MetricsLogger
+    from mcore_rl.metrics.console import StepConsole
+    from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.ppo import kl_controller
 
     t = cfg.trainer
@@ -512,7 +512,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
     logger.close()
     if console:
         console.close()
-    from mcore_rl.plot import plot_run
+    from mcore_rl.metrics.plot import plot_run
 
     plot_run(run_dir)
     return metrics
@@ -589,7 +589,7 @@ def dry_run(cfg: C.Config) -> list[str]:
     if c.device == "gpu":
         from mcore_rl.memory.gpus import GpuSelectionError
         from mcore_rl.memory.planner import MemoryPlanError
-        from mcore_rl.plan import plan_for_config
+        from mcore_rl.memory.plan import plan_for_config
 
         try:
             plan, source = plan_for_config(cfg)
@@ -609,12 +609,12 @@ def main(argv: list[str] | None = None) -> int:
                                                    "without an engine")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     a = p.parse_intermixed_args(argv)  # options may follow the overrides
-    from mcore_rl.cli_errors import BAD_INPUT, report
-    from mcore_rl.console import quiet_fallback_warnings
+    from mcore_rl.preflight.bad_input import BAD_INPUT, report
+    from mcore_rl.metrics.console import quiet_fallback_warnings
 
     quiet_fallback_warnings()  # the driver imports megatron too (plans, sync layout)
     from mcore_rl.placement_deadline import PlacementTimeout
-    from mcore_rl.preflight import check_inputs
+    from mcore_rl.preflight.inputs import check_inputs
 
     try:
         cfg = C.load_config(a.config, a.overrides)
@@ -624,13 +624,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.dry_run:
             lines = dry_run(cfg)
             print("\n".join(lines))
-            # as the run would end: a refused memory plan stops it (exit 1, as python -m mcore_rl.plan)
+            # as the run would end: a refused memory plan stops it (exit 1, as python -m mcore_rl.memory.plan)
             return 1 if any(line.startswith(PLAN_REFUSED) for line in lines) else 0
     except BAD_INPUT as e:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
     from mcore_rl.dynamic_sampling import RefillsExhausted
-    from mcore_rl.cli_errors import BadInput, message
+    from mcore_rl.preflight.bad_input import BadInput, message
     from mcore_rl.memory.planner import MemoryPlanError
     from mcore_rl.rollout.base import EngineError
 

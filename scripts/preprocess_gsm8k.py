@@ -14,7 +14,7 @@ import sys
 
 from mcore_rl.data import make_row, write_rows
 from mcore_rl.data.sources import load_split
-from mcore_rl.rewards import GSM8K_SOURCES, gsm8k_extract
+from mcore_rl.data.rewards import GSM8K_SOURCES, gsm8k_extract
 
 INSTRUCTION = 'Solve the problem step by step. Write the final numeric answer after "#### " on the last line.'
 

@@ -15,7 +15,7 @@ import sys
 
 from mcore_rl.data import make_row, write_rows
 from mcore_rl.data.sources import load_split
-from mcore_rl.rewards import MATH_SOURCES, last_boxed
+from mcore_rl.data.rewards import MATH_SOURCES, last_boxed
 
 INSTRUCTION = "Reason step by step, and put the final answer in \\boxed{}."
 

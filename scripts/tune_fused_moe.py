@@ -100,7 +100,7 @@ def one_rank_group(backend: str = "nccl") -> None:
     this one process, as an engine of TP 1 has."""
     from sglang.srt.distributed import parallel_state as ps
 
-    from mcore_rl.parallel import free_port
+    from mcore_rl.parallel.groups import free_port
 
     if ps.model_parallel_is_initialized():
         return
@@ -179,8 +179,8 @@ def main() -> int:
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("tune_fused_moe times triton kernels: it needs a GPU")
-    from mcore_rl import config as C
-    from mcore_rl import config_checks
+    from mcore_rl.config import sections as C
+    from mcore_rl.config import checks as config_checks
 
     cfg = C.load_config(a.config, a.overrides)
     hf_config = config_checks.hf_model_dims(cfg.model)

@@ -21,7 +21,7 @@ per concern; they share the state `core` builds (self.cfg, self.ps, self.model, 
     checkpoint_io.py  save (in the background or not), finish_save, load
 """
 
-from mcore_rl import console
+from mcore_rl.metrics import console
 
 console.quiet_fallback_warnings()  # before megatron is imported: rank 0 names what is missing once
 

@@ -1,5 +1,5 @@
 """Checkpoints of the actor's parts: models as torch_dist, optimizer states in model space
-(mcore_rl.optim_state), written from wherever the states are (offloaded ones from their host
+(mcore_rl.checkpoint.optimizer), written from wherever the states are (offloaded ones from their host
 copies), optionally in a background thread that anything changing the states first waits for."""
 
 from __future__ import annotations
@@ -9,18 +9,18 @@ import os
 
 import torch.distributed as dist
 
-from mcore_rl import optim
+from mcore_rl.parallel import optimizer as optim
 
 
 class Checkpoints:
     def save(self, step_dir: str, background: bool = False) -> None:
         """Models (torch_dist, any layout can load them) and this rank's optimizer states in model
-        space (`mcore_rl.optim_state`: any layout can resume them) into `step_dir`. Offloaded
+        space (`mcore_rl.checkpoint.optimizer`: any layout can resume them) into `step_dir`. Offloaded
         states are written from their pinned host copies: a save stages nothing. background: the
         writes go on in a thread (the rollout runs meanwhile); `finish_save` completes them, and
         anything that would change the states first waits for them."""
-        from mcore_rl.checkpoint import ModelSave
-        from mcore_rl.optim_state import save as save_optim
+        from mcore_rl.checkpoint.model import ModelSave
+        from mcore_rl.checkpoint.optimizer import save as save_optim
 
         self.finish_save()
         read = self.read_state
@@ -58,8 +58,8 @@ class Checkpoints:
             pending.join()
 
     def load(self, step_dir: str) -> None:
-        from mcore_rl.checkpoint import load_model
-        from mcore_rl.optim_state import files, load
+        from mcore_rl.checkpoint.model import load_model
+        from mcore_rl.checkpoint.optimizer import files, load
 
         self.finish_save()
         for name, model, opt in self._parts():

@@ -8,14 +8,15 @@ import os
 
 import torch
 
-from mcore_rl import console, optim
+from mcore_rl.metrics import console
+from mcore_rl.parallel import optimizer as optim
 from mcore_rl.actor.checkpoint_io import Checkpoints
 from mcore_rl.actor.lockstep import Lockstep
 from mcore_rl.actor.logprobs import PerToken
 from mcore_rl.actor.memory import MemoryMoves
 from mcore_rl.actor.routes import RouteReplay
 from mcore_rl.actor.update import Update
-from mcore_rl.config_checks import recompute_choice
+from mcore_rl.config.checks import recompute_choice
 
 
 class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Lockstep):
@@ -31,8 +32,9 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
             os.environ["TORCHDYNAMO_DISABLE"] = "1"
         from megatron.core import parallel_state as ps
 
-        from mcore_rl.models import HFModel, build_model, transformer_config
-        from mcore_rl.parallel import Layout, init_distributed
+        from mcore_rl.models.config import HFModel, transformer_config
+        from mcore_rl.models.builder import build_model
+        from mcore_rl.parallel.groups import Layout, init_distributed
 
         torch.set_num_threads(1)
         from mcore_rl.memory.allocator import use_expandable_segments
@@ -44,7 +46,7 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
                                     ("memory.recompute", cfg["memory"]["recompute"])) if v == "auto"]
         if unsettled:
             raise ValueError(f"{', '.join(unsettled)}: auto is settled before the actors start, by the memory plan "
-                             "(mcore_rl.plan.apply_choice) or without one (settle_without_plan)")
+                             "(mcore_rl.memory.plan.apply_choice) or without one (settle_without_plan)")
         p = cfg["parallel"]
         self.layout = Layout(tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"])
         init_distributed(self.layout, seed=cfg["trainer"]["seed"])
@@ -67,11 +69,11 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
     def load_initial(self, init: dict | None = None) -> None:
         """The rest of the construction: the policy's weights from init["policy"] (each rank reads
         its own shards of the torch_dist checkpoint), the reference and critic, the optimizers."""
-        from mcore_rl.models import build_model
+        from mcore_rl.models.builder import build_model
 
         init, cfg, tcfg, attention = init or {}, self.cfg, self._tcfg, self.packed_attention
         if init.get("policy"):
-            from mcore_rl.checkpoint import load_model
+            from mcore_rl.checkpoint.model import load_model
 
             load_model(self.model, init["policy"])
         self._install_route_replay(cfg)
@@ -91,7 +93,7 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         self.model, self.opt = optim.wrap(self.model, tcfg, a, **self._optim_options())
         self.updates = 0
         self._peaks: dict[str, float] = {}  # allocator peaks per pass of the train phase (GPU)
-        from mcore_rl.optim_state import regions
+        from mcore_rl.checkpoint.optimizer import regions
 
         # where each param's elements sit in the checkpoint's tensors; made now, while the params are
         # on the device (a save may run while they are offloaded)
@@ -117,8 +119,8 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         return self.device.type == "cuda" if v is None else v
 
     def _build_critic(self, cfg, tcfg, init_ckpt):
-        from mcore_rl import critic
-        from mcore_rl.models import HFModel, transformer_config
+        from mcore_rl.models import critic
+        from mcore_rl.models.config import HFModel, transformer_config
 
         c, p = cfg["critic"], cfg["parallel"]
         hf = self.hf

@@ -17,11 +17,11 @@ def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, 
     """Log-probs [mb, R] of the response tokens (and their entropies) from packed logits [T, V].
 
     Only the positions that predict response tokens are normalised over the vocabulary. fused: the
-    same numbers through mcore_rl.head (no fp32 [rows, V] copies kept for backward).
+    same numbers through mcore_rl.models.head (no fp32 [rows, V] copies kept for backward).
     """
     target = packed.response_targets
     if fused:
-        from mcore_rl.head import logprob_entropy
+        from mcore_rl.models.head import logprob_entropy
 
         logp_sel, ent_sel = logprob_entropy(logits, target, temperature, with_entropy, index=packed.response_rows)
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl import optim
+from mcore_rl.parallel import optimizer as optim
 
 
 class MemoryMoves:

@@ -14,7 +14,7 @@ class RouteReplay:
     def _install_route_replay(self, cfg: dict) -> None:
         """With routes coming back from the engine (SGLang, MoE): the policy's routers replay them
         (actor.routing_replay) and record their own choice in the old-log-prob pass."""
-        from mcore_rl.routing import ExpertLayout
+        from mcore_rl.models.routed_experts import ExpertLayout
 
         r = cfg["rollout"]
         layout = ExpertLayout.of(self.hf)
@@ -39,7 +39,7 @@ class RouteReplay:
         """The experts the policy's routers took in the pass that just ran, in the batch's layout
         (self.trainer_routes, -1 where another rank routed), and the agreement with the engine's
         over all ranks (rollout/route_agreement)."""
-        from mcore_rl.routing import agreement_counts
+        from mcore_rl.models.routed_experts import agreement_counts
 
         engine = d["routes"]
         mine = torch.full_like(engine, -1)

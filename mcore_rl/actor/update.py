@@ -8,7 +8,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from mcore_rl import batching as mb
-from mcore_rl import optim, pipeline
+from mcore_rl import pipeline
+from mcore_rl.parallel import optimizer as optim
 from mcore_rl.actor.logprobs import token_logprobs
 
 

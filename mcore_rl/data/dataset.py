@@ -7,7 +7,7 @@ from typing import Iterator, Literal, Sequence
 
 import torch
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.preflight.bad_input import BadInput
 from mcore_rl.data.rows import check_row, read_file_rows
 from mcore_rl.data.tokenizers import ByteTokenizer, CharTokenizer
 
@@ -63,7 +63,7 @@ class PromptDataset:
                  truncation: Truncation = "error", rewarded: bool = False, template_kwargs: dict | None = None):
         """rewarded: every row's data_source must have a reward function (a training source);
         template_kwargs: passed to the tokenizer's chat template (data.chat_template_kwargs)."""
-        from mcore_rl.rewards import require_reward
+        from mcore_rl.data.rewards import require_reward
 
         is_rows = isinstance(source, list) and all(isinstance(r, dict) for r in source)
         paths = [source] if isinstance(source, str) else source

@@ -6,7 +6,7 @@ Both expose `prompts` (token ids), `tokenizer` (pad/eos ids) and `rewards(indice
 
 from __future__ import annotations
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.preflight.bad_input import BadInput
 from mcore_rl.data.dataset import PromptDataset, UnencodablePrompt
 from mcore_rl.data.tasks import TOKENIZER as TASK_TOKENIZER
 from mcore_rl.data.tasks import make_task
@@ -21,7 +21,7 @@ class DatasetPrompts:
         self.prompts = [item["input_ids"] for item in dataset.items]
 
     def rewards(self, indices, responses) -> list[float]:
-        from mcore_rl.rewards import compute_score
+        from mcore_rl.data.rewards import compute_score
 
         out = []
         for i, resp in zip(indices, responses, strict=True):

@@ -16,7 +16,7 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.preflight.bad_input import BadInput
 
 REQUIRED = ("data_source", "prompt", "reward_model")
 

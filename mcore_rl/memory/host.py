@@ -79,7 +79,7 @@ class HostInputs:
 
     @classmethod
     def from_config(cls, cfg) -> "HostInputs":
-        from mcore_rl.config_checks import rollout_gpus
+        from mcore_rl.config.checks import rollout_gpus
 
         c, m, r, a, alg = cfg.cluster, cfg.memory, cfg.rollout, cfg.actor, cfg.algorithm
         total, gpu = c.nnodes * c.n_gpus_per_node, c.device == "gpu"  # the offloaders move CUDA tensors only

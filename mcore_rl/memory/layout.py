@@ -1,7 +1,7 @@
 """Where every weight lives: megatron's shards per rank and the SGLang engine's tensors per rank.
 
 Shapes are never written by hand. `inventory(hf)` takes megatron's own meta-device model
-(`converters.mcore_ckpt.skeleton`, TP=PP=EP=1) for the megatron shapes, and the ONE declarative
+(`mcore_rl.convert.mcore_ckpt.skeleton`, TP=PP=EP=1) for the megatron shapes, and the ONE declarative
 mapping (`Param.to_hf` on meta tensors) for the HF shapes. What is added here is only how each
 tensor is split:
 
@@ -51,7 +51,7 @@ def _megatron_split(mcore: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _inventory(cfg_json: str) -> tuple[Weight, ...]:
-    from converters.mcore_ckpt import skeleton
+    from mcore_rl.convert.mcore_ckpt import skeleton
 
     hf = HFModel.from_dict(json.loads(cfg_json))
     _, entries = skeleton(hf)

@@ -43,8 +43,8 @@ Trainer (one rank of PP stage s; N_d dense and N_e expert elements it holds, `la
                output head (the actor gathers full-vocabulary logits on every TP rank): 2 T V (bf16
                logits, later their gradient) + 14 n V (the selected rows as fp32, log-softmax,
                exp and their gradients, measured on the autograd chain) or, with
-               actor.fused_logprobs, 2 n V (bf16 rows kept, mcore_rl.head) + one chunk of fp32
-               temporaries (mcore_rl.head.CHUNK_BYTES).
+               actor.fused_logprobs, 2 n V (bf16 rows kept, mcore_rl.models.head) + one chunk of fp32
+               temporaries (mcore_rl.models.head.CHUNK_BYTES).
                The optimizer step runs after backward has freed the activations; it allocates an
                fp32 copy of the rank's shard of bf16 grads (memory.grad_fp32=false) and torch's
                multi-tensor AdamW one fp32 temporary per moment element (none with
@@ -128,7 +128,7 @@ class MemoryPlanError(RuntimeError):
 ACT = {"varlen": 21, "sdpa": 132}  # activation bytes per token and hidden unit per layer, by attention (docstring)
 DISPATCH_COPIES = 2  # hidden-state copies of each routed token an MoE layer keeps more at ep > 1 (docstring)
 HEAD_PLAIN = 14  # bytes per response token and vocabulary entry of the autograd log-prob chain
-HEAD_FUSED = 2  # the same through mcore_rl.head: the bf16 rows it keeps
+HEAD_FUSED = 2  # the same through mcore_rl.models.head: the bf16 rows it keeps
 RECOMPUTE_MODES = ("none", "full", "selective")
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class PlanInputs:
     @classmethod
     def from_config(cls, cfg, capacity: int, budget: int | None = None, recompute: str | None = None) -> "PlanInputs":
         """budget, recompute: in place of the config's (its "auto": AUTO_BUDGET_MAX, none)."""
-        from mcore_rl.config_checks import actor_gpus, max_running_requests, recompute_choice
+        from mcore_rl.config.checks import actor_gpus, max_running_requests, recompute_choice
 
         a, r, m, d, p = cfg.actor, cfg.rollout, cfg.memory, cfg.data, cfg.parallel
         seq = d.max_prompt_length + r.max_response_len
@@ -350,7 +350,7 @@ def activation_bytes(hf: HFModel, i: PlanInputs, stage: int) -> int:
 
 def head_bytes(hf: HFModel, i: PlanInputs) -> int:
     """The output head's peak: full-vocabulary logits of the micro-batch and the log-prob rows."""
-    from mcore_rl.head import CHUNK_BYTES
+    from mcore_rl.models.head import CHUNK_BYTES
 
     T, V = i.micro_tokens, hf.vocab_size
     n = T if i.response_tokens is None else min(i.response_tokens, T)

@@ -6,7 +6,8 @@ import dataclasses
 
 import torch
 
-from mcore_rl import console, patches
+from mcore_rl import patches
+from mcore_rl.metrics import console
 from mcore_rl.patches import no_te
 from mcore_rl.models.config import HFModel, UnsupportedModelError, _rope_scaling, _rope_theta
 

@@ -5,7 +5,7 @@ megatron-core versions it was written against:
 - `no_te`: megatron's fallbacks for running without TransformerEngine or Apex;
 - `cpu`: stand-ins for the CUDA calls megatron makes even on a CPU build; imported only on CPU.
 
-`apply()` is idempotent and runs before a model is built (`mcore_rl.models.build_model`). Model
+`apply()` is idempotent and runs before a model is built (`mcore_rl.models.builder.build_model`). Model
 semantics are not patched: DeepSeek/GLM routing is a router class in the layer spec
 (mcore_rl.models.router).
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl.console import importable
+from mcore_rl.metrics.console import importable
 from mcore_rl.patches.patch import Patch
 
 

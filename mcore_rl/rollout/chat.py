@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Sequence
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.preflight.bad_input import BadInput
 
 TEMPLATES = ("qwen3", "deepseek_v3", "glm4_5")
 _ASSISTANT, _CONTENT = "@@mcore_rl_assistant_turn@@", "@@mcore_rl_observation@@"

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.preflight.bad_input import BadInput
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENGINE_NAMES = {"sglang": "SGLang's ServerArgs", "vllm": "vLLM's EngineArgs"}

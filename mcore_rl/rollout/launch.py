@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 
-from mcore_rl import config as C
-from mcore_rl import config_checks
-from mcore_rl.parallel import rendezvous_on
+from mcore_rl.config import sections as C
+from mcore_rl.config import checks as config_checks
+from mcore_rl.parallel.groups import rendezvous_on
 from mcore_rl.rollout.embedded import EmbeddedRollout
 from mcore_rl.rollout.engine_kwargs import warn_overridden
 from mcore_rl.rollout.group import EngineGroup, EngineSlot

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_rl import config as C
-from mcore_rl import config_checks
+from mcore_rl.config import sections as C
+from mcore_rl.config import checks as config_checks
 
 
 @dataclass(frozen=True)

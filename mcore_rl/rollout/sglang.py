@@ -17,8 +17,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from mcore_rl import config_checks
-from mcore_rl.parallel import free_port
+from mcore_rl.config import checks as config_checks
+from mcore_rl.parallel.groups import free_port
 from mcore_rl.rollout import engine_logs, engine_start, jit_cache, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags

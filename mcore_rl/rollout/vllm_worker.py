@@ -47,7 +47,7 @@ def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...] | None]:
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        from converters.mappings import mapping_for
+        from mcore_rl.models.mappings import mapping_for
         from mcore_rl.models.config import HFModel
 
         hf = HFModel.from_dir(model_dir)

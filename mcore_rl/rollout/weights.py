@@ -15,10 +15,10 @@ import os
 
 import torch
 
-from mcore_rl import config as C
-from mcore_rl import config_checks
+from mcore_rl.config import sections as C
+from mcore_rl.config import checks as config_checks
 from mcore_rl.models.config import HFModel
-from mcore_rl.parallel import Layout, rendezvous_on
+from mcore_rl.parallel.groups import Layout, rendezvous_on
 from mcore_rl.sync.checksum import WeightMismatch
 from mcore_rl.sync.engine_layout import compare_engine
 from mcore_rl.sync.engine_layout import EngineLayout

@@ -6,7 +6,7 @@ The quantization is DeepSeek's reference (`weight_quant` in DeepSeek-V3's infere
 s = amax(|block|) / 448 in fp32, q = (x / s) cast to e4m3 with round-to-nearest-even. One
 deliberate difference: an all-zero block, where the reference divides 0 by 0 and stores NaN, gets
 s = 1 and q = 0 (it still dequantizes to zeros).
-Dequantizing is the converter's (`converters.hf_io.dequantize_fp8`) and SGLang's
+Dequantizing is the converter's (`mcore_rl.convert.hf_io.dequantize_fp8`) and SGLang's
 (`block_quant_dequant`): q in fp32 times the block's scale.
 """
 

@@ -14,7 +14,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from converters.mappings import Param
+from mcore_rl.models.mappings import Param
 from mcore_rl.sync import fp8
 from mcore_rl.sync.plan import RankBucket, SyncPlan
 

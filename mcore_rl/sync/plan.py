@@ -1,6 +1,6 @@
 """The weight-sync plan: which trainer rank produces, sends and receives which HF tensor, in which bucket.
 
-Computed once from the declarative mapping (`converters.mappings.mapping_for`), the trainer's
+Computed once from the declarative mapping (`mcore_rl.models.mappings.mapping_for`), the trainer's
 megatron layout and the SGLang engine layout, before any transfer. Rules it enforces:
 - routed experts travel per expert (`mlp.experts.{i}.gate_proj.weight`, ...) and only to the
   engine ranks that own expert i, so nobody ever builds a fused [E, 2I, H] tensor;
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from converters.mappings import Param, mapping_for
+from mcore_rl.models.mappings import Param, mapping_for
 from mcore_rl.sync import fp8
 from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError, hf_shape, keeps_fp32, runs_in_fp8
 from mcore_rl.models.config import HFModel, stage_layers, validate_layout
-from mcore_rl.parallel import Layout
+from mcore_rl.parallel.groups import Layout
 
 
 @dataclass(frozen=True)

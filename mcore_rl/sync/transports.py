@@ -276,7 +276,7 @@ class DiskTransport(Transport):
         return sorted(n for n in names if _VERSION.fullmatch(n))
 
     def begin(self):
-        from converters.hf_io import ShardedWriter, atomic_dir
+        from mcore_rl.convert.hf_io import ShardedWriter, atomic_dir
 
         if self.is_driver:
             last = self._versions()
@@ -290,7 +290,7 @@ class DiskTransport(Transport):
             self._writer.add_all(named)
 
     def end(self):
-        from converters.hf_io import copy_side_files
+        from mcore_rl.convert.hf_io import copy_side_files
 
         if self.is_driver:
             self._writer.close()

@@ -128,7 +128,7 @@ PY
         --out "$OUT/resume_${LAYERS:-4}L.json" cluster.n_gpus_per_node=1 parallel.ep=1 rollout.tp_size=1 \
         model.hf_config.num_hidden_layers="${LAYERS:-4}" actor.entropy_coeff=0.01 "${EXTRA[@]}" 2>&1 | quiet | tail -40 ;;
     driver_cuda)  # does the driver's memory plan start a CUDA context (it holds GPU memory all run)?
-      python3 -c "import torch; from mcore_rl import config as C; from mcore_rl.plan import plan_for_config
+      python3 -c "import torch; from mcore_rl.config import sections as C; from mcore_rl.memory.plan import plan_for_config
 cfg = C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1', 'rollout.tp_size=1'])
 plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initialized())" 2>&1 | tail -1 ;;
     run50)  # Moonlight widths, 4 layers, one GPU: steps up to STEPS in /tmp/run50 (resumes what is there);

@@ -93,7 +93,7 @@ def test_gpu_attention_check_runs_on_cpu(tmp_path):
 def _attention_check_cpu(rank, out):
     from tests.gpu import gpu_checks
     from benchmarks.harness import hf_config
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     init_distributed(Layout())
     res = gpu_checks.attention_check(hf_config("tiny_cpu.yaml"), lengths=(7, 3, 5), device="cpu")

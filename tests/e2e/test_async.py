@@ -66,7 +66,7 @@ def test_fully_async_learns_and_a_killed_engine_resumes_training_each_steps_prom
 
     import psutil
 
-    from mcore_rl import config as C
+    from mcore_rl.config import sections as C
     from mcore_rl.data.prompts import load_prompt_sources
     from mcore_rl.train import step_prompts
     from tests.support.sync_checks import ROOT

@@ -27,11 +27,11 @@ from tests.e2e.test_optim import _eval, _setup, _train_step, tiny  # noqa: F401 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# ---- optimizer states in model space (mcore_rl.optim_state) ----------------------------------------
+# ---- optimizer states in model space (mcore_rl.checkpoint.optimizer) ----------------------------------------
 def _first(rank, root, layout):
     """Uninterrupted: step, save model + optimizer, step again (bf16: fp32 main params must travel)."""
-    from mcore_rl import optim_state
-    from mcore_rl.checkpoint import save_model
+    from mcore_rl.checkpoint import optimizer as optim_state
+    from mcore_rl.checkpoint.model import save_model
 
     ddp, opt = _setup(root, *layout, os.path.join(root, "ckpt"), dtype=torch.bfloat16)
     _train_step(ddp, opt, seed=1)
@@ -42,7 +42,7 @@ def _first(rank, root, layout):
 
 
 def _resumed(rank, root, layout, name, with_optimizer=True):
-    from mcore_rl import optim_state
+    from mcore_rl.checkpoint import optimizer as optim_state
 
     ddp, opt = _setup(root, *layout, os.path.join(root, "saved", "model"), dtype=torch.bfloat16)
     if with_optimizer:
@@ -61,7 +61,7 @@ def _report(rank, root, name, ddp, opt):
 
 def _global_states(step_dir: str) -> dict:
     """Every checkpoint tensor's fp32 param and Adam moments, assembled whole from the rank files."""
-    from mcore_rl.optim_state import Region, _Index, files
+    from mcore_rl.checkpoint.optimizer import Region, _Index, files
 
     index = _Index(files(step_dir, "model"))
     out = {}
@@ -73,7 +73,7 @@ def _global_states(step_dir: str) -> dict:
 
 
 def test_optimizer_states_resume_exactly_and_at_any_layout(tiny):
-    from mcore_rl.optim_state import OptimStateError, files, load
+    from mcore_rl.checkpoint.optimizer import OptimStateError, files, load
 
     root = str(tiny)
     distributed.run(_first, 2, root, (1, 2, 1))  # EP 2
@@ -132,7 +132,7 @@ def _tree_bytes(proc) -> int:
 def _save_peak(rank, root):
     import transformers
 
-    from mcore_rl import config as C
+    from mcore_rl.config import sections as C
     from mcore_rl.actor import MegatronActor
     from tests.support.rl_batch import rl_batch
 
@@ -189,7 +189,7 @@ def test_a_tensor_written_under_an_exact_storage_keeps_its_memory_alive():
     import gc
     import weakref
 
-    from mcore_rl.checkpoint import _exact_storage
+    from mcore_rl.checkpoint.model import _exact_storage
 
     base = torch.arange(1 << 20, dtype=torch.float32)
     view = base[8:1 << 19]
@@ -274,7 +274,7 @@ def test_a_resume_past_an_incomplete_checkpoint_and_leftovers_is_bit_exact(base,
     the weights and optimizer states after step 4 byte for byte, are those of the run that was
     never stopped. (One run for what were two, each
     resumed from step 2: this and a clean stop after step 2's checkpoint.)"""
-    from mcore_rl import run_checkpoints as rc
+    from mcore_rl.checkpoint import steps as rc
 
     out = str(tmp_path / "faulty")
     shutil.copytree(base, out)
@@ -339,7 +339,7 @@ def _a_changed_model_is_refused(out: str, capsys) -> None:
 @pytest.mark.parametrize("fault", ["truncated_shard", "missing_optimizer_rank", "missing_trainer_state",
                                    "no_manifest"])
 def test_each_fault_makes_a_checkpoint_incomplete(base, tmp_path, fault):
-    from mcore_rl import run_checkpoints as rc
+    from mcore_rl.checkpoint import steps as rc
 
     root = str(tmp_path / "checkpoints")
     shutil.copytree(os.path.join(base, "checkpoints"), root)
@@ -372,7 +372,7 @@ def test_resume_at_another_layout_and_keep_the_newest(base, tmp_path):
     weights and optimizer states; only the newest checkpoint is kept. That one is saved without
     the optimizer (trainer.save_optimizer=false): complete, the model only, exported to HF by the
     converter's command line, and a run that would resume from it is refused in one line."""
-    from mcore_rl import run_checkpoints as rc
+    from mcore_rl.checkpoint import steps as rc
 
     out = _restart_from_step_2(base, str(tmp_path / "ep1"))
     log = _ran(out, "parallel.ep=1", "trainer.max_checkpoints=1", "trainer.save_optimizer=false")
@@ -382,7 +382,7 @@ def test_resume_at_another_layout_and_keep_the_newest(base, tmp_path):
     assert rc.incomplete(step_4) is None
     assert not [n for n in os.listdir(os.path.join(step_4, "optim")) if n.endswith(".pt")]
     hf = str(tmp_path / "hf")
-    subprocess.run([sys.executable, "-m", "converters", "mcore-to-hf", "--ckpt", os.path.join(step_4, "model"),
+    subprocess.run([sys.executable, "-m", "mcore_rl.convert", "mcore-to-hf", "--ckpt", os.path.join(step_4, "model"),
                     "--out", hf], check=True, cwd=ROOT, timeout=300)
     assert [n for n in os.listdir(hf) if n.endswith(".safetensors")]
     again = subprocess.run([sys.executable, "-m", "mcore_rl.train", "--config", "configs/tiny_cpu.yaml",
@@ -402,7 +402,7 @@ def test_resume_at_another_layout_and_keep_the_newest(base, tmp_path):
 def test_a_kill_during_a_background_save_leaves_the_last_complete_one(tmp_path):
     """With trainer.async_save the files are written while the next step runs, so step_N.tmp lives
     for a step; the run is killed then, and resumes from the checkpoint before."""
-    from mcore_rl import run_checkpoints as rc
+    from mcore_rl.checkpoint import steps as rc
 
     out = str(tmp_path / "async")
     ckpts = os.path.join(out, "checkpoints")
@@ -432,7 +432,7 @@ def test_a_kill_during_a_background_save_leaves_the_last_complete_one(tmp_path):
 def test_a_save_the_disk_cannot_hold_is_refused_before_writing(base, tmp_path, monkeypatch):
     from collections import namedtuple
 
-    from mcore_rl import run_checkpoints as rc
+    from mcore_rl.checkpoint import steps as rc
 
     root = str(tmp_path / "checkpoints")
     shutil.copytree(os.path.join(base, "checkpoints"), root)
@@ -463,9 +463,9 @@ def test_sigterm_stops_a_run_in_one_line_and_a_second_run_is_refused_meanwhile(b
     (exit 143): one line saying at which step it stopped and which complete checkpoint the same
     command resumes from; no native stack dump (Ray's failure handler), no traceback; its lock file
     released."""
-    from mcore_rl import run_checkpoints as rc
+    from mcore_rl.checkpoint import steps as rc
     from mcore_rl import train
-    from mcore_rl.run_dir import LOCK
+    from mcore_rl.preflight.run_dir import LOCK
 
     out = str(tmp_path / "run")
     shutil.copytree(base, out)
@@ -515,7 +515,7 @@ def test_a_disk_that_fills_during_a_save_leaves_the_checkpoint_before_whole(base
     not for step 6's checkpoint files (a disk filling mid-save: the space check before it passes).
     The run stops (exit 1) with one line naming the step, the cause and the complete checkpoint the
     same command resumes from; that checkpoint stays whole, the partial one is removed."""
-    from mcore_rl import run_checkpoints as rc
+    from mcore_rl.checkpoint import steps as rc
 
     out = os.path.join(small_disk, "run")
     shutil.copytree(base, out)
@@ -535,7 +535,7 @@ def test_a_disk_that_fills_during_a_save_leaves_the_checkpoint_before_whole(base
 
 
 def test_save_freq_and_the_last_step_decide_which_steps_save():
-    from mcore_rl.run_checkpoints import saves_at
+    from mcore_rl.checkpoint.steps import saves_at
 
     def saved(total, freq, last=True):
         return [s for s in range(1, total + 1) if saves_at(s, total, freq, last)]

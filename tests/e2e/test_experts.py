@@ -32,10 +32,11 @@ def _grads_and_logits(model, ids):
 def _compare(rank, hf_dir, tp, ep, etp, out):
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.models import HFModel, build_model, transformer_config
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
     from mcore_rl.models.dispatch import GatherTokenDispatcher
     from mcore_rl.models.experts import GroupedGemmExperts
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     init_distributed(Layout(tp=tp, ep=ep, etp=etp))
     hf = HFModel.from_dir(hf_dir)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from converters import convert
-from converters.hf_io import CheckpointError, HFCheckpoint
-from converters.merge import ValidationFailed, merge
+from mcore_rl.convert import hf_mcore as convert
+from mcore_rl.convert.hf_io import CheckpointError, HFCheckpoint
+from mcore_rl.convert.merge import ValidationFailed, merge
 from tests.support import distributed
 from tests.support.tiny_models import make_hf_model
 
@@ -223,7 +223,7 @@ def test_validation_failure_leaves_no_output(fsdp, tmp_path):
 
 
 def test_cli_verl_spelling_and_exit_codes(broken, tmp_path, capsys):
-    from converters.cli import main
+    from mcore_rl.convert.cli import main
 
     args = ["merge", "--backend", "fsdp", "--local_dir", *map(str, broken), "--target_dir"]
     assert main(args + [str(tmp_path / "cli")]) == 0
@@ -238,9 +238,10 @@ def test_cli_verl_spelling_and_exit_codes(broken, tmp_path, capsys):
 def _megatron_worker(rank, root, fam, layouts):
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.checkpoint import load_model, save_model
-    from mcore_rl.models import HFModel, build_model, transformer_config
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.checkpoint.model import load_model, save_model
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     hf_dir = os.path.join(root, fam, "hf")
     hf = HFModel.from_dir(hf_dir)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from mcore_rl import config as C
+from mcore_rl.config import sections as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -18,7 +18,7 @@ from tests.support import distributed
 
 
 def _states(ddp, opt):
-    from mcore_rl import optim
+    from mcore_rl.parallel import optimizer as optim
 
     out = {f"w.{n}": p.detach().clone() for n, p in ddp.named_parameters()}
     for k, sub in enumerate(optim._subs(opt)):

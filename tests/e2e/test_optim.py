@@ -1,4 +1,4 @@
-"""Megatron's DDP + distributed optimizer (mcore_rl.optim) on gloo: a step at EP2 or TP2xETP2
+"""Megatron's DDP + distributed optimizer (mcore_rl.parallel.optimizer) on gloo: a step at EP2 or TP2xETP2
 equals the one-process step (resuming its state: tests/e2e/test_checkpoints.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from converters import convert
+from mcore_rl.convert import hf_mcore as convert
 from tests.support import distributed
 from tests.support.tiny_models import make_hf_model
 
@@ -27,10 +27,11 @@ def tiny(tmp_path_factory):
 
 
 def _setup(root, tp, ep, etp, ckpt, dtype=torch.float32, grad_fp32=True):
-    from mcore_rl import optim
-    from mcore_rl.checkpoint import load_model
-    from mcore_rl.models import HFModel, build_model, transformer_config
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.parallel import optimizer as optim
+    from mcore_rl.checkpoint.model import load_model
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     init_distributed(Layout(tp=tp, ep=ep, etp=etp))
     hf = HFModel.from_dir(os.path.join(root, "hf"))
@@ -44,7 +45,7 @@ def _train_step(ddp, opt, seed):
     """Mean log-partition over a global batch of 4; each DP rank takes its share."""
     from megatron.core import parallel_state as ps
 
-    from mcore_rl import optim
+    from mcore_rl.parallel import optimizer as optim
     from mcore_rl.models.forward import full_logits
 
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(seed))
@@ -129,7 +130,7 @@ def test_bf16_grads_fp32_copies_are_dropped_after_the_step(tiny):
 def _fused_vs_foreach(rank, root):
     from megatron.core import parallel_state as ps
 
-    from mcore_rl import optim
+    from mcore_rl.parallel import optimizer as optim
 
     out = {}
     for fused in (False, True):

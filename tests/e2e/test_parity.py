@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from converters import convert
+from mcore_rl.convert import hf_mcore as convert
 from tests.support import distributed
 from tests.support.tiny_models import FAMILIES, ROUTING_VARIANTS, make_hf_model
 
@@ -71,8 +71,9 @@ def _eval(rank, root, fam, ckpt, tp, pp, ep, first=None, etp=1):
     rank that holds the full logits, else None."""
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.checkpoint import load_model
-    from mcore_rl.models import HFModel, build_model, transformer_config
+    from mcore_rl.checkpoint.model import load_model
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
     from mcore_rl.models.forward import full_logits
 
     hf = HFModel.from_dir(os.path.join(root, fam, "hf"))
@@ -93,7 +94,7 @@ def _eval(rank, root, fam, ckpt, tp, pp, ep, first=None, etp=1):
 def _layouts_worker(rank, root, layouts, out):
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     results = {}
     for name, (tp, pp, ep, first, fams, etp) in layouts.items():
@@ -113,9 +114,10 @@ def _layouts_worker(rank, root, layouts, out):
 
 
 def _tp2pp2ep2_worker(rank, root, fams):
-    from mcore_rl.checkpoint import load_model, save_model
-    from mcore_rl.models import HFModel, build_model, transformer_config
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.checkpoint.model import load_model, save_model
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     init_distributed(Layout(tp=2, pp=2, ep=2))
     for fam in fams:
@@ -186,8 +188,9 @@ def _routers(rank, families):
     import transformers
     from megatron.core.transformer.moe import moe_utils, router
 
-    from mcore_rl.models import HFModel, build_model, transformer_config
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.parallel.groups import Layout, init_distributed
     from tests.support.tiny_models import FAMILIES, ROUTING_VARIANTS
 
     init_distributed(Layout())

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from mcore_rl import console
+from mcore_rl.metrics import console
 from tests.support import actor_pp_scenario as S
 from tests.support.rl_batch import rl_batch
 from tests.support.tiny_models import make_hf_model

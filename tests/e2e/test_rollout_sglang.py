@@ -9,7 +9,7 @@ within the deadline, and no engine process outlives shutdown).
 
 from __future__ import annotations
 
-from mcore_rl.parallel import LISTEN_PORTS
+from mcore_rl.parallel.groups import LISTEN_PORTS
 from mcore_rl.rollout.launch import start_sglang
 from mcore_rl.rollout.sglang import engine_model_dir
 from tests.support import rollout_checks as R

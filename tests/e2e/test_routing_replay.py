@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from mcore_rl.routing import ExpertLayout, RouteError, batch_routes
+from mcore_rl.models.routed_experts import ExpertLayout, RouteError, batch_routes
 from mcore_rl.rollout.base import Completion
 
 # the engine-trainer mismatch metrics a step logs (tests/e2e/test_train.py, tests/e2e/test_train_sglang.py)

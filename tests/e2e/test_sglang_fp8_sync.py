@@ -20,9 +20,9 @@ import os
 import pytest
 import torch
 
-from converters import convert
+from mcore_rl.convert import hf_mcore as convert
 from mcore_rl.models.config import HFModel
-from mcore_rl.parallel import Layout
+from mcore_rl.parallel.groups import Layout
 from mcore_rl.sync import fp8
 from mcore_rl.sync.engine_layout import EngineLayout
 from mcore_rl.sync.plan import SyncPlan
@@ -68,10 +68,11 @@ def _worker(rank, root, out):
     from sglang.srt.distributed import parallel_state as sps
     from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
 
-    from converters.hf_io import HFCheckpoint
-    from mcore_rl.checkpoint import load_model
-    from mcore_rl.models import build_model, transformer_config
-    from mcore_rl.parallel import init_distributed
+    from mcore_rl.convert.hf_io import HFCheckpoint
+    from mcore_rl.checkpoint.model import load_model
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.models.config import transformer_config
+    from mcore_rl.parallel.groups import init_distributed
     from mcore_rl.rollout.sglang_plugin import restore_kv_scales, weight_digests
     from mcore_rl.sync import LiveShards, sync_weights
     from mcore_rl.sync.engine_layout import ExpectedDigests, compare_engine

@@ -21,9 +21,9 @@ import threading
 import pytest
 import torch
 
-from converters import convert
+from mcore_rl.convert import hf_mcore as convert
 from mcore_rl.models.config import HFModel
-from mcore_rl.parallel import Layout
+from mcore_rl.parallel.groups import Layout
 from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
 from mcore_rl.sync.plan import SyncPlan, single_source
 from tests.support import distributed, sglang_reference
@@ -213,7 +213,7 @@ def _tensors(model) -> dict[str, torch.Tensor]:
 def _transport(kind: str, engine, plan, root: str, hf_dir: str):
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-    from mcore_rl.parallel import free_port
+    from mcore_rl.parallel.groups import free_port
     from mcore_rl.sync import transports
 
     if kind in ("ipc", "direct"):
@@ -245,9 +245,10 @@ def _case(rank, root, name, fam, trainer, tp, ep, kind):
     from megatron.core import parallel_state as ps
     from sglang.srt.distributed import parallel_state as sps
 
-    from mcore_rl.checkpoint import load_model
-    from mcore_rl.models import build_model, transformer_config
-    from mcore_rl.parallel import init_distributed
+    from mcore_rl.checkpoint.model import load_model
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.models.config import transformer_config
+    from mcore_rl.parallel.groups import init_distributed
     from mcore_rl.rollout.sglang_plugin import weight_digests
     from mcore_rl.sync import LiveShards, sync_weights
     from mcore_rl.sync.engine_layout import ExpectedDigests, compare_engine
@@ -527,7 +528,7 @@ def test_a_direct_load_copies_each_layers_experts_at_once(engine, rank_of):
 
 
 def test_every_family_the_direct_load_accepts_is_checked_here():
-    from mcore_rl.config_checks import DIRECT_LOAD_FAMILIES
+    from mcore_rl.config.checks import DIRECT_LOAD_FAMILIES
 
     direct = [fam for fam, *_, kind in CASES.values() if kind == "direct"]
     assert all(any(fam.startswith(f) for fam in direct) for f in DIRECT_LOAD_FAMILIES), (direct, DIRECT_LOAD_FAMILIES)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from converters import convert
+from mcore_rl.convert import hf_mcore as convert
 from tests.support import sync_ray_scenario as scenario
 from tests.support.tiny_models import make_hf_model
 

@@ -22,7 +22,7 @@ class RefusingEngine:
 
 
 def _refused_broadcast(rank):
-    from mcore_rl.parallel import free_port
+    from mcore_rl.parallel.groups import free_port
     from mcore_rl.sync.transports import NcclBroadcastTransport, update_group
 
     group = update_group("127.0.0.1", free_port(), world_size=1, backend="gloo")  # the driver alone

@@ -78,7 +78,7 @@ START_PHASES = ("starting Ray, placing the trainer", "writing the model's config
 def _check_start(log: str, phases: tuple[str, ...], first_step: int) -> None:
     """The start-up's progress: one line per phase with its seconds, in the order they ran (a phase
     still running after 5 s also said so before), then the seconds to the first step."""
-    from mcore_rl.console import start_record
+    from mcore_rl.metrics.console import start_record
 
     rec = start_record(log.splitlines())
     assert [name for name, _ in rec["phases"]] == list(phases) and rec["failed"] is None, log

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from mcore_rl import config as C
+from mcore_rl.config import sections as C
 from mcore_rl.algos.rollout_correction import compute_rollout_correction
 from tests.support import distributed
 from tests.support.rl_batch import B, R, rl_batch
@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny DeepSeek-V3 HF model, its torch_dist conversion, and a fixed RL batch."""
-    from converters.convert import hf_to_mcore
+    from mcore_rl.convert.hf_mcore import hf_to_mcore
 
     root = tmp_path_factory.mktemp("algos")
     make_hf_model("deepseek_v3", str(root / "hf"))
@@ -153,7 +153,7 @@ def test_micro_batches_and_dynamic_bsz_match_one_big_batch(tiny):
 
 
 def _colocated_models(rank, root):
-    from mcore_rl import optim
+    from mcore_rl.parallel import optimizer as optim
     from mcore_rl.actor import MegatronActor
 
     batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
@@ -203,7 +203,7 @@ def _colocated_models(rank, root):
 
 def _states(opt):
     """(main param, Adam moments, step) of every param the optimizer steps."""
-    from mcore_rl.optim_state import _owned
+    from mcore_rl.checkpoint.optimizer import _owned
 
     return [(main, inner.state[main]["exp_avg"], inner.state[main]["exp_avg_sq"], inner.state[main]["step"])
             for _, _, _, main, inner in _owned(opt)]

@@ -23,10 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl import config as C
-from mcore_rl import config_checks
+from mcore_rl.config import sections as C
+from mcore_rl.config import checks as config_checks
 from mcore_rl import ppo
-from mcore_rl.routing import ExpertLayout
+from mcore_rl.models.routed_experts import ExpertLayout
 from tests.support.sync_checks import (BROADCAST, DISK, GLM4_MOE_TINY, QWEN3_MOE_TINY, check_a_corrupted_tensor_fails,
                                check_a_skipped_sync_fails, check_verified_grpo_steps, grpo_steps, logp_gap,
                                started_run)

@@ -4,7 +4,7 @@
 - varlen attention (one flash call per packed micro-batch, mcore_rl.models.layers.VarlenCoreAttention)
   against the per-sequence SDPA path on a 2-layer model of real widths, both in bf16 against the
   same model in fp32: logits and every gradient; and the two attention calls' fwd+bwd time;
-- the output head's memory and time, autograd log-prob chain vs mcore_rl.head, as bytes per
+- the output head's memory and time, autograd log-prob chain vs mcore_rl.models.head, as bytes per
   (token x vocabulary) and (response token x vocabulary): what the planner's head term uses.
 """
 
@@ -39,7 +39,8 @@ def _rel(a, b) -> float:
 
 def attention_check(hf_cfg: dict, lengths=(3000, 1500, 700, 2900), device: str = "cuda") -> dict:
     from mcore_rl import batching
-    from mcore_rl.models import HFModel, build_model, transformer_config
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
     from mcore_rl.models.layers import _varlen_call
 
     if _varlen_call() is None:
@@ -82,7 +83,7 @@ def attention_check(hf_cfg: dict, lengths=(3000, 1500, 700, 2900), device: str =
 def _attention_times(hf, packed) -> dict:
     from megatron.core.transformer.enums import AttnMaskType
 
-    from mcore_rl.models import transformer_config
+    from mcore_rl.models.config import transformer_config
     from mcore_rl.models.layers import SDPACoreAttention, VarlenCoreAttention
 
     cfg = transformer_config(hf, dtype=torch.bfloat16)
@@ -103,7 +104,7 @@ def _attention_times(hf, packed) -> dict:
 def head_memory(vocab: int, tokens: int = 8192) -> dict:
     """Peak bytes of the log-prob head beyond its input logits, both ways, at two response shares;
     solved for a * T * V + b * n * V (bytes per logit entry)."""
-    from mcore_rl.head import logprob_entropy
+    from mcore_rl.models.head import logprob_entropy
 
     V, T = vocab, tokens
     logits = torch.randn(T, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -32,7 +32,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def prepare(root: str) -> dict:
     """HF models, their fp32/bf16 reference logits, and converted bf16 checkpoints."""
-    from converters import convert
+    from mcore_rl.convert import hf_mcore as convert
     from tests.support.tiny_models import FAMILIES, make_hf_model
 
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
@@ -55,10 +55,11 @@ def worker(rank: int, world: int, port: int, root: str, queue) -> None:
                       LOCAL_RANK=str(rank), TORCHDYNAMO_DISABLE="1")
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.checkpoint import load_model
-    from mcore_rl.models import HFModel, build_model, transformer_config
+    from mcore_rl.checkpoint.model import load_model
+    from mcore_rl.models.config import HFModel, transformer_config
+    from mcore_rl.models.builder import build_model
     from mcore_rl.models.forward import full_logits
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.parallel.groups import Layout, init_distributed
     from tests.support.tiny_models import FAMILIES
 
     results = {}
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, default=min(2, torch.cuda.device_count()))
     p.add_argument("--out", default="gpu_parity.json")
     a = p.parse_args(argv)
-    from mcore_rl.parallel import free_port
+    from mcore_rl.parallel.groups import free_port
 
     with tempfile.TemporaryDirectory() as root:
         res = {"hf_bf16": prepare(root), "megatron_bf16": {}}

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def measure(offload: bool, hf_dir: str, args, port: int) -> dict:
     sys.path.insert(0, ROOT)
-    from mcore_rl import config as C
+    from mcore_rl.config import sections as C
     from mcore_rl.actor import MegatronActor
 
     cfg = C.to_dict(C.Config())
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
     from benchmarks.harness import table, write_json
     from benchmarks.harness import hf_config
-    from mcore_rl.parallel import free_port
+    from mcore_rl.parallel.groups import free_port
 
     with tempfile.TemporaryDirectory() as hf_dir:
         with open(os.path.join(hf_dir, "config.json"), "w") as f:

@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from benchmarks.harness import table, write_json  # noqa: E402
-from mcore_rl.plot import records_by_step  # noqa: E402
+from mcore_rl.metrics.plot import records_by_step  # noqa: E402
 
 NOT_LEARNING = ("time", "timing/", "perf/", "memory/", "sync/", "checkpoint/")
 

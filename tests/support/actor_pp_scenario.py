@@ -26,7 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from mcore_rl import config as C  # noqa: E402
+from mcore_rl.config import sections as C  # noqa: E402
 from tests.support.rl_batch import P, rl_batch  # noqa: E402
 
 MICRO = 2  # samples per micro-batch: three micro-batches of different packed lengths in one optimizer step
@@ -39,7 +39,7 @@ PER_TOKEN = ("log_probs", "ref", "values0", "log_probs_after", "values")
 
 def prepare(root: str) -> None:
     """Tiny HF models, their torch_dist weights (every layout loads the same ones), an RL batch."""
-    from converters.convert import hf_to_mcore
+    from mcore_rl.convert.hf_mcore import hf_to_mcore
     from tests.support.tiny_models import make_hf_model
 
     for fam in FAMILIES:
@@ -152,7 +152,7 @@ def _spawned(rank, world, port, root, *layout):
 def main() -> int:
     import torch.multiprocessing as mp
 
-    from mcore_rl.parallel import free_port
+    from mcore_rl.parallel.groups import free_port
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="working folder; differences.json is written there")

@@ -227,7 +227,7 @@ def run_scenario(netns: bool, jobs=JOBS, job_timeout: float = 240.0) -> dict:
                 status=run(jobctl + ["status", job_id], env, 60, check=False).stdout, logs=logs,
                 missing_in_logs=[e for e in expect if e not in logs])
 
-        doctor = run([sys.executable, "-m", "mcore_rl.doctor", "--json"],
+        doctor = run([sys.executable, "-m", "mcore_rl.preflight.doctor", "--json"],
                      {**env, "RAY_ADDRESS": f"{head_ip}:{gcs}", "RAY_AUTH_MODE": "token"}, 120, check=False)
         result["doctor_rc"] = doctor.returncode
         try:

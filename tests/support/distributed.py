@@ -7,7 +7,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from mcore_rl.parallel import free_port
+from mcore_rl.parallel.groups import free_port
 
 
 def _entry(rank, world, port, fn, args, errors):

@@ -58,7 +58,7 @@ def make_model(out: str, device: str) -> str:
 
 
 def _cfg(device: str):
-    from mcore_rl import config as C
+    from mcore_rl.config import sections as C
 
     return C.config_from_dict({"model": {"dtype": "fp32" if device == "cpu" else "bf16"},
                                "cluster": {"device": device, "colocate": False},
@@ -121,7 +121,7 @@ def greedy_two_nodes(model_dir: str, device: str, nodes: list[str]) -> tuple[lis
     import ray
     from ray.util.placement_group import placement_group
 
-    from mcore_rl.parallel import rendezvous_on
+    from mcore_rl.parallel.groups import rendezvous_on
     from mcore_rl.rollout.base import SamplingParams, flatten
     from mcore_rl.rollout.group import EngineGroup
     from mcore_rl.rollout.sglang import SGLangServer

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from mcore_rl import config as C
+from mcore_rl.config import sections as C
 from mcore_rl.rollout.base import EngineError, SamplingParams, flatten
 from mcore_rl.rollout.group import EngineSlot
 from mcore_rl.sync.engine_layout import EngineLayout

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from mcore_rl import config as C
+from mcore_rl.config import sections as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # configs/tiny_cpu.yaml with vLLM generating (README): the MLA dims vLLM's CPU kernels take, and a task

@@ -144,16 +144,17 @@ class TrainerRank:
         return self.me
 
     def rendezvous(self) -> tuple[str, int]:
-        from mcore_rl.parallel import free_port
+        from mcore_rl.parallel.groups import free_port
 
         return self.me["ip"], free_port(self.me["ip"])
 
     def sync(self, rank: int, world: int, addr: str, port: int, hf_dir: str, ckpt: str, plan, engine):
         import torch
 
-        from mcore_rl.checkpoint import load_model
-        from mcore_rl.models import HFModel, build_model, transformer_config
-        from mcore_rl.parallel import destroy, init_distributed
+        from mcore_rl.checkpoint.model import load_model
+        from mcore_rl.models.config import HFModel, transformer_config
+        from mcore_rl.models.builder import build_model
+        from mcore_rl.parallel.groups import destroy, init_distributed
         from mcore_rl.sync import LiveShards, sync_weights
         from mcore_rl.sync.bucket import Meta
         from mcore_rl.sync.transports import CudaIpcTransport
@@ -193,8 +194,8 @@ def run(hf_dir: str, ckpt: str, temp: str) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from safetensors.torch import load_file
 
-    from mcore_rl.models import HFModel
-    from mcore_rl.parallel import Layout
+    from mcore_rl.models.config import HFModel
+    from mcore_rl.parallel.groups import Layout
     from mcore_rl.rollout.sglang import EngineLaunch
     from mcore_rl.sync.placement import GpuSlot, colocate
     from mcore_rl.sync.plan import SyncPlan

@@ -61,7 +61,7 @@ ROUTING_VARIANTS = {
 }
 
 
-# the shapes vLLM's CPU kernels take (mcore_rl.config_checks._check_vllm): MLA with its real latent and
+# the shapes vLLM's CPU kernels take (mcore_rl.config.checks._check_vllm): MLA with its real latent and
 # rope dims; dense attention with a head size it has a kernel for (64 / 4 heads = 16 it has not)
 VLLM_CPU = {
     "deepseek_v3_vllm": ("DeepseekV3Config", dict(FAMILIES["deepseek_v3"][1], kv_lora_rank=512, qk_rope_head_dim=64)),

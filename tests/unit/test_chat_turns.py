@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mcore_rl import config as C
-from mcore_rl.cli_errors import BadInput
+from mcore_rl.config import sections as C
+from mcore_rl.preflight.bad_input import BadInput
 from mcore_rl.data.dataset import encode_prompt
 from mcore_rl.rollout.base import Completion, SamplingParams
 from mcore_rl.rollout.chat import TEMPLATES, TurnFormat, template_text, use_template

@@ -336,7 +336,7 @@ def _run_dir_fixture(d) -> None:
     initial model, written by transformers from the config's hf_config."""
     import transformers
 
-    from mcore_rl.config import load_config
+    from mcore_rl.config.sections import load_config
 
     transformers.AutoConfig.for_model(**load_config(TINY).model.hf_config).save_pretrained(d / "tiny_run" / "init_hf")
 
@@ -374,7 +374,7 @@ def _broken_checkpoints(d) -> None:
     """Real torch_dist checkpoints of a tiny Llama: one with its data file cut in half, one without it."""
     import shutil
 
-    from converters.convert import hf_to_mcore
+    from mcore_rl.convert.hf_mcore import hf_to_mcore
     from tests.support.tiny_models import make_hf_model
 
     make_hf_model("llama", str(d / "llama_hf"))
@@ -394,10 +394,12 @@ def fixtures(tmp_path_factory):
 
 
 def _run(entry: str, args: list[str], out: str) -> int:
-    from mcore_rl import config, plan, train
+    from mcore_rl import train
+    from mcore_rl.config import sections as config
+    from mcore_rl.memory import plan
 
     if entry == "convert":
-        from converters.cli import main
+        from mcore_rl.convert.cli import main
 
         flag = "--target-dir" if args[0] == "merge" else "--out"
         return main([*args, flag, out])
@@ -468,7 +470,7 @@ def test_unread_checkpoint_tensors_are_named_in_a_warning(fixtures, tmp_path, ca
     import pickle
     import shutil
 
-    from converters.convert import mcore_to_hf
+    from mcore_rl.convert.hf_mcore import mcore_to_hf
 
     if not (fixtures / "llama_ckpt").exists():
         _broken_checkpoints(fixtures)
@@ -487,8 +489,8 @@ def test_shipped_configs_raise_no_model_warning():
     """The checks refuse what the model builder cannot take, and nothing the shipped configs say."""
     import glob
 
-    from mcore_rl.config import load_config
-    from mcore_rl.model_checks import hf_config_problems, unread_keys
+    from mcore_rl.config.sections import load_config
+    from mcore_rl.models.checks import hf_config_problems, unread_keys
 
     for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
         hf = load_config(path).model.hf_config
@@ -527,8 +529,9 @@ def test_gpu_config_without_gpus_stops_at_the_placement_deadline(tmp_path):
 
 # ---- issue 50's cases beside the table: exit codes other than 2, warnings, locks, installs ----------
 def test_dry_run_exits_as_the_run_would_when_the_memory_plan_is_refused(tmp_path, capsys):
-    """`--dry-run` of a plan that cannot fit exits 1, as the run and `python -m mcore_rl.plan` do."""
-    from mcore_rl import plan, train
+    """`--dry-run` of a plan that cannot fit exits 1, as the run and `python -m mcore_rl.memory.plan` do."""
+    from mcore_rl import train
+    from mcore_rl.memory import plan
 
     args = ["--config", os.path.join(ROOT, "configs", "tiny_gpu.yaml"), "memory.gpu_memory_gb=4",
             f"trainer.output_dir={tmp_path / 'out'}"]
@@ -555,8 +558,8 @@ def test_options_inert_in_the_chosen_mode_are_named_once(tmp_path, capsys):
 def test_shipped_configs_warn_of_no_inert_option():
     import glob
 
-    from mcore_rl.config import load_config
-    from mcore_rl.config_checks import inert_options
+    from mcore_rl.config.sections import load_config
+    from mcore_rl.config.checks import inert_options
 
     for path in glob.glob(os.path.join(ROOT, "configs", "*.yaml")):
         assert inert_options(load_config(path, validate=False)) == [], path
@@ -567,7 +570,7 @@ def test_a_second_run_is_refused_naming_the_first_runs_pid_and_a_dead_runs_lock_
     does) refuses the run and its dry run in one line naming its pid; a lock file whose run died
     (its flock gone with it) is taken over with a warning naming that pid."""
     from mcore_rl import train
-    from mcore_rl.run_dir import LOCK, RunLock
+    from mcore_rl.preflight.run_dir import LOCK, RunLock
 
     out = tmp_path / "run"
     out.mkdir()
@@ -629,7 +632,7 @@ def test_a_shipped_config_resolves_by_name_when_installed(tmp_path):
     import zipfile
 
     src, site = tmp_path / "src", tmp_path / "site"
-    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "mcore_rl", "converters", "configs"],
+    files = subprocess.run(["git", "ls-files", "pyproject.toml", "README.md", "mcore_rl", "configs"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
         dst = src / rel

@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from mcore_rl.config import Config, ConfigError, apply_overrides, config_from_dict, load_config, to_yaml
-from mcore_rl.config_checks import validate_config
+from mcore_rl.config.sections import Config, ConfigError, apply_overrides, config_from_dict, load_config, to_yaml
+from mcore_rl.config.checks import validate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "grpo_tiny_task_cpu.yaml")
@@ -247,7 +247,7 @@ def test_sglang_refuses_qwen3_moe_dense_layers():
 def test_schema_lists_every_key_and_is_docs_config_md():
     """`python -m mcore_rl.config --schema` names every key with its type and default, and
     docs/config.md is its output (regenerate it with that command), so the docs cannot drift."""
-    from mcore_rl.config import Section, schema
+    from mcore_rl.config.sections import Section, schema
 
     text = schema()
     with open(os.path.join(ROOT, "docs", "config.md"), encoding="utf-8") as f:

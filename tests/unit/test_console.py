@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from mcore_rl import config as C
-from mcore_rl.console import StartConsole, StepConsole, clock, start_record
+from mcore_rl.config import sections as C
+from mcore_rl.metrics.console import StartConsole, StepConsole, clock, start_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

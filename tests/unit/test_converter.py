@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from converters import convert
-from converters.hf_io import CheckpointError, HFCheckpoint, dequantize_fp8
-from mcore_rl.models import LayoutError, UnsupportedModelError
+from mcore_rl.convert import hf_mcore as convert
+from mcore_rl.convert.hf_io import CheckpointError, HFCheckpoint, dequantize_fp8
+from mcore_rl.models.config import LayoutError, UnsupportedModelError
 from tests.support.tiny_models import make_hf_model
 
 
@@ -63,8 +63,8 @@ def test_unknown_model_type(v3, tmp_path):
 def test_each_family_reads_its_own_expert_keys():
     """Qwen3-MoE counts experts under its own keys and has no shared expert, as transformers' model:
     keys of DeepSeek's in its config (n_routed_experts, n_shared_experts) change nothing."""
-    from converters.mappings import mapping_for
-    from mcore_rl.models import HFModel
+    from mcore_rl.models.mappings import mapping_for
+    from mcore_rl.models.config import HFModel
 
     cfg = dict(model_type="qwen3_moe", num_hidden_layers=1, num_experts=4, n_routed_experts=9,
                n_shared_experts=1, first_k_dense_replace=1)
@@ -75,7 +75,7 @@ def test_each_family_reads_its_own_expert_keys():
 
 
 def test_sliding_window_is_refused_clearly():
-    from mcore_rl.models import HFModel, transformer_config
+    from mcore_rl.models.config import HFModel, transformer_config
 
     cfg = dict(model_type="qwen3_moe", num_hidden_layers=1, num_experts=4, num_experts_per_tok=2, hidden_size=64,
                num_attention_heads=4, intermediate_size=128, moe_intermediate_size=32, vocab_size=256)
@@ -233,7 +233,7 @@ def test_dtype_casts_on_purpose_and_the_config_says_so(v3, tmp_path):
 
 def _cli(*a):
     env = dict(os.environ, MCORE_RL_NO_PROGRESS="1")
-    return subprocess.run([sys.executable, "-m", "converters", *a], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "mcore_rl.convert", *a], env=env, capture_output=True, text=True,
                           timeout=300)
 
 
@@ -272,12 +272,12 @@ def test_cli_round_trip_other_moe_families(tmp_path, fam):
 
 
 def test_random_hf_checkpoint_is_whole_seeded_and_converts(v3, tmp_path):
-    """`python -m converters random-hf`: every tensor transformers saves for the model (its load
+    """`python -m mcore_rl.convert random-hf`: every tensor transformers saves for the model (its load
     misses none, finds none extra), drawn per tensor name from the seed (the same files at any shard size; another seed,
     other weights), matrices N(0, initializer_range) and norms ones; the trainer's converter takes it."""
     import transformers
 
-    from converters.cli import main
+    from mcore_rl.convert.cli import main
 
     cfg_dir = tmp_path / "cfg"
     cfg_dir.mkdir()

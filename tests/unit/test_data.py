@@ -6,7 +6,7 @@ import torch
 from mcore_rl.algos import grpo_advantage, policy_loss
 from mcore_rl.data import (ByteTokenizer, CharTokenizer, PromptDataset, PromptTooLongError, TASKS,
                            collate_prompts, make_row, make_task, read_rows, write_rows)
-from mcore_rl.rewards import compute_score
+from mcore_rl.data.rewards import compute_score
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two plus two"}]
 

@@ -1,4 +1,4 @@
-"""python -m mcore_rl.doctor: the real report on this machine, blockers, and each check's rules."""
+"""python -m mcore_rl.preflight.doctor: the real report on this machine, blockers, and each check's rules."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from mcore_rl import doctor
-from mcore_rl.doctor import ERROR, OK, WARN, Context
+from mcore_rl.preflight import doctor
+from mcore_rl.preflight.doctor import ERROR, OK, WARN, Context
 
 NOISY = ("CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX",
          "MKL_THREADING_LAYER", "MKL_SERVICE_FORCE_INTEL", "NUMEXPR_MAX_THREADS", "RAY_ADDRESS")
@@ -20,7 +20,7 @@ NOISY = ("CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NC
 def run_doctor(*args: str, **env_overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in NOISY}
     env.update(env_overrides)
-    return subprocess.run([sys.executable, "-m", "mcore_rl.doctor", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mcore_rl.preflight.doctor", *args], env=env, capture_output=True,
                           text=True, timeout=120)
 
 

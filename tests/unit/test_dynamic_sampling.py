@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mcore_rl import config as C
+from mcore_rl.config import sections as C
 from mcore_rl.algos.dapo import overlong_penalty, varied_groups
 from mcore_rl.dynamic_sampling import RefillsExhausted, concat_batches, sample_step_batch
 from mcore_rl.rollout.base import Completion

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 
-from mcore_rl.config import load_config
+from mcore_rl.config.sections import load_config
 from mcore_rl.rollout import engine_kwargs, engine_start, jit_cache
 from mcore_rl.sync.engine_layout import EngineLayout
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from converters.hf_io import dequantize_fp8
+from mcore_rl.convert.hf_io import dequantize_fp8
 from mcore_rl.sync import fp8
 
 
@@ -67,7 +67,7 @@ def test_an_fp8_engine_starts_from_an_fp8_checkpoints_config(tmp_path):
     import json
     import os
 
-    from mcore_rl.config import load_config
+    from mcore_rl.config.sections import load_config
     from mcore_rl.rollout.sglang import engine_args, engine_env, engine_model_dir
     from mcore_rl.sync.engine_layout import EngineLayout
 

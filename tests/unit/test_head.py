@@ -1,4 +1,4 @@
-"""mcore_rl.head (log-probs and entropies without fp32 [rows, vocab] copies kept for backward)
+"""mcore_rl.models.head (log-probs and entropies without fp32 [rows, vocab] copies kept for backward)
 equals the autograd chain it replaces: values and gradients, chunked or not, with and without
 entropy, in fp32 and bf16."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_rl import head
+from mcore_rl.models import head
 
 
 def _plain(rows, target, temperature):

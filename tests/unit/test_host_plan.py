@@ -1,5 +1,5 @@
 """Host memory per node (mcore_rl.memory.host): the numbers against the planner's own inventory, the
-refusal of a node over its RAM by `python -m mcore_rl.plan` and `train --dry-run`, and the config keys."""
+refusal of a node over its RAM by `python -m mcore_rl.memory.plan` and `train --dry-run`, and the config keys."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from mcore_rl.config import ConfigError, load_config
+from mcore_rl.config.sections import ConfigError, load_config
 from mcore_rl.memory import host as H
 from mcore_rl.memory.layout import inventory, megatron_rank_numel
 from mcore_rl.memory.planner import GiB, MemoryPlanError, PlanInputs
 from mcore_rl.models.config import HFModel
-from mcore_rl.plan import plan_for_config
+from mcore_rl.memory.plan import plan_for_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOONLIGHT_YAML = os.path.join(ROOT, "configs", "moonlight_16b.yaml")
@@ -116,12 +116,12 @@ def run(module, *args):
 
 
 def test_cli_prints_the_host_table_and_refuses_a_small_node():
-    ok = run("mcore_rl.plan")
+    ok = run("mcore_rl.memory.plan")
     assert ok.returncode == 0, ok.stderr
     table = ok.stdout[ok.stdout.index("host memory per node (RAM from cluster.host_memory_gb"):]
     assert "trainer states, pinned" in table and "node RAM" in table and "OVER" not in table
     assert ok.stdout.index("engine kv cache") < ok.stdout.index("host memory per node")  # after the GPU table
-    small = run("mcore_rl.plan", "cluster.host_memory_gb=100")
+    small = run("mcore_rl.memory.plan", "cluster.host_memory_gb=100")
     assert small.returncode == 1, small.stderr
     err = small.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("host memory plan refused: node 0 is short by"), small.stderr

@@ -1,4 +1,4 @@
-"""The project's import graph has no circles: every import of mcore_rl and converters, at module
+"""The project's import graph has no circles: every import of mcore_rl, at module
 level or inside a function (a lazy import that closes a circle is still one), read with ast. An
 import under `if TYPE_CHECKING:` never runs and is left out."""
 
@@ -8,7 +8,8 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("mcore_rl", "converters")
+PACKAGES = ("mcore_rl",)
+MAX_TOP_LEVEL_MODULES = 8
 
 
 def modules() -> dict[str, str]:
@@ -99,7 +100,7 @@ def test_the_walk_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
     known = modules()
-    assert "mcore_rl.config_checks" in imports_of("mcore_rl.config", known["mcore_rl.config"], known)
+    assert "mcore_rl.config.checks" in imports_of("mcore_rl.config.sections", known["mcore_rl.config.sections"], known)
 
 
 def test_no_import_circles():
@@ -111,3 +112,17 @@ def test_no_module_getattr():
     facades = [m for m, p in modules().items()
                if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(open(p).read()).body)]
     assert facades == []
+
+
+def test_a_few_modules_at_the_top():
+    """mcore_rl's top level is its entry and its wings: at most 8 modules directly in mcore_rl/."""
+    top = sorted(n for n in os.listdir(os.path.join(ROOT, "mcore_rl")) if n.endswith(".py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+def test_one_import_package():
+    """The converters are mcore_rl's own (mcore_rl.convert): no second top-level package beside it."""
+    packages = sorted(n for n in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, n, "__init__.py")))
+    assert packages == ["mcore_rl", "tests"]
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert 'include = ["mcore_rl*"]' in f.read()  # what a wheel installs

@@ -231,7 +231,7 @@ def test_optimizer_offload_and_fused_adam():
 
 
 def test_config_options_reach_the_plan():
-    from mcore_rl.config import ConfigError, load_config
+    from mcore_rl.config.sections import ConfigError, load_config
 
     cfg = load_config(MOONLIGHT_YAML, ["memory.recompute=selective", "memory.recompute_modules=[moe]",
                                        "memory.optimizer_offload_fraction=0.25", "actor.fused_adam=false"])
@@ -292,7 +292,7 @@ def test_sync_phase_holds_the_trainers_weights_it_reads():
 
 def run_cli(*args):
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "mcore_rl.plan", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "mcore_rl.memory.plan", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -311,8 +311,8 @@ def test_cli_prints_the_table_and_refuses_a_small_gpu():
 
 @pytest.mark.parametrize("name", ["deepseek_v3_671b", "qwen3_30b_a3b", "glm45_air"])
 def test_config_fits_with_its_layout(name):
-    from mcore_rl.config import load_config
-    from mcore_rl.plan import plan_for_config
+    from mcore_rl.config.sections import load_config
+    from mcore_rl.memory.plan import plan_for_config
 
     plan, _ = plan_for_config(load_config(os.path.join(ROOT, "configs", f"{name}.yaml")), capacity=int(80 * GiB))
     assert all(plan.total(ph) <= plan.inputs.capacity for ph in plan.phases)
@@ -379,8 +379,9 @@ def _count_local_params(rank, cfg, out_dir):
     import torch
     from megatron.core import parallel_state as ps
 
-    from mcore_rl.models import build_model, transformer_config
-    from mcore_rl.parallel import Layout, init_distributed
+    from mcore_rl.models.builder import build_model
+    from mcore_rl.models.config import transformer_config
+    from mcore_rl.parallel.groups import Layout, init_distributed
 
     hf = HFModel.from_dict(cfg)
     counts = []
@@ -431,8 +432,8 @@ def test_resume_needs_are_what_each_engine_resume_brings_back(hook_mode):
 def test_a_gpu_engine_gets_the_planned_fraction_and_kv_tokens():
     """SGLang applies mem_fraction_static to the free memory it finds, which still holds what the plan
     keeps out; the plan's token count caps the pool (SGLang takes the smaller)."""
-    from mcore_rl.config import load_config
-    from mcore_rl.plan import plan_for_config
+    from mcore_rl.config.sections import load_config
+    from mcore_rl.memory.plan import plan_for_config
     from mcore_rl.rollout import sglang as S
     from mcore_rl.rollout.launch import _engine_memory
     from mcore_rl.sync.engine_layout import EngineLayout
@@ -451,8 +452,8 @@ def test_the_engine_decodes_no_larger_batch_than_planned():
     """The plan's engine activations (the sampler's rows) are for max_running_requests decode rows,
     by default the CUDA graphs' size; the engine is started with that cap, so a batch larger than
     the graphs (a validation of every prompt at once) queues instead of running eagerly unplanned."""
-    from mcore_rl.config import load_config
-    from mcore_rl.plan import plan_for_config
+    from mcore_rl.config.sections import load_config
+    from mcore_rl.memory.plan import plan_for_config
     from mcore_rl.rollout import sglang as S
     from mcore_rl.sync.engine_layout import EngineLayout
 
@@ -497,7 +498,7 @@ class Flashinfer:  # its import asks the GPU's compute capability: a CUDA contex
             raise SystemExit("flashinfer imported by the plan")
 import sys
 sys.meta_path.insert(0, Flashinfer())
-from mcore_rl import config as C
+from mcore_rl.config import sections as C
 from mcore_rl.train import memory_plan
 memory_plan(C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1',
                                                              'rollout.tp_size=1']))

@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
-from mcore_rl.metrics import MetricsLogger, is_secret_key, redact
-from mcore_rl.plot import PANELS, distinct, load_metrics, phase_times, plot_run
+from mcore_rl.metrics.logger import MetricsLogger, is_secret_key, redact
+from mcore_rl.metrics.plot import PANELS, distinct, load_metrics, phase_times, plot_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLANTED = {"WANDB_API_KEY": "planted-wandb-key-1234", "HF_TOKEN": "hf_plantedtoken5678",
@@ -127,7 +127,7 @@ def check_readme_job_plots(run_dir: str) -> None:
     assert {"rollout", "to_train", "update", "to_rollout", "sync"} <= set(phase_times(series))
     assert {"response/length", "response/length_max", "response/length_min"} <= set(series)
     out = os.path.join(run_dir, "plots_cli")
-    proc = subprocess.run([sys.executable, "-m", "mcore_rl.plot", run_dir, "--out", out], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mcore_rl.metrics.plot", run_dir, "--out", out], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert sorted(os.path.basename(p) for p in proc.stdout.split()) == sorted(README_JOB_PANELS)
@@ -142,6 +142,6 @@ def test_plot_refuses_a_run_without_metrics(tmp_path):
     (empty / "metrics.jsonl").write_text(json.dumps({"step": 0, "foo": 1}) + "\n")
     with pytest.raises(ValueError, match="no plottable metrics"):
         plot_run(str(empty))
-    missing = subprocess.run([sys.executable, "-m", "mcore_rl.plot", str(tmp_path / "nope")],
+    missing = subprocess.run([sys.executable, "-m", "mcore_rl.metrics.plot", str(tmp_path / "nope")],
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert missing.returncode == 1 and "metrics.jsonl" in missing.stderr

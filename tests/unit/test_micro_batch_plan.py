@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from mcore_rl import config as C
-from mcore_rl import config_checks
+from mcore_rl.config import sections as C
+from mcore_rl.config import checks as config_checks
 from mcore_rl.memory.planner import BUDGET_STEP, GiB, MemoryPlanError, PlanInputs, make_plan
 from mcore_rl.models.config import HFModel
-from mcore_rl.plan import apply_choice, plan_for_config, settle_without_plan
+from mcore_rl.memory.plan import apply_choice, plan_for_config, settle_without_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOONLIGHT_2GPU = os.path.join(ROOT, "configs", "moonlight_2gpu.yaml")  # budget and recompute: auto

@@ -1,5 +1,5 @@
 """Model defaults agree with transformers and SGLang, family by family (issue 50): for every key a
-config.json may leave out, the value the model builder takes (mcore_rl.model_checks.FAMILY_DEFAULTS
+config.json may leave out, the value the model builder takes (mcore_rl.models.checks.FAMILY_DEFAULTS
 through HFModel) equals what transformers' config class for the model_type gives and, where that
 class has no such attribute, what SGLang's model code falls back to. Both read from the installed
 libraries, never restated here."""
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from mcore_rl.model_checks import FAMILY_DEFAULTS, SUPPORTED
+from mcore_rl.models.checks import FAMILY_DEFAULTS, SUPPORTED
 from mcore_rl.models.config import HFModel
 from tests.support.tiny_models import FAMILIES
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from mcore_rl import config as C
+from mcore_rl.config import sections as C
 from mcore_rl import ppo
 from mcore_rl.data.tasks import make_task
 from mcore_rl.rollout.base import Completion

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from contextlib import ExitStack
 
-from mcore_rl import parallel
+from mcore_rl.parallel import groups as parallel
 
 
 def _listen(stack: ExitStack, port: int) -> None:

@@ -7,7 +7,7 @@ import glob
 import os
 import re
 
-from mcore_rl.config import schema
+from mcore_rl.config.sections import schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ORDINAL = r"(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|\d+(st|nd|rd|th))"

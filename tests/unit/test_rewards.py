@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mcore_rl.data import read_rows
-from mcore_rl.rewards import (compute_score, gsm8k_extract, gsm8k_score, last_boxed, math_score,
+from mcore_rl.data.rewards import (compute_score, gsm8k_extract, gsm8k_score, last_boxed, math_score,
                               normalize_math_answer, register_reward)
 from tests.support.verl_reference import verl_module
 

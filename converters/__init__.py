@@ -1,1 +1,0 @@
-"""Checkpoint converters: HF <-> megatron-core torch_dist, and the mappings they share."""

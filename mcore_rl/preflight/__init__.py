@@ -1,0 +1,1 @@
+"""Bad input refused before work starts: the one-line errors every entry point shares (bad_input.py), every input of a run (inputs.py), the output directory (run_dir.py), a node's health (doctor.py)."""
