@@ -100,7 +100,7 @@ def prepare_model(cfg: C.Config, run_dir: str) -> str:
 def trainer_placement(cfg: C.Config):
     """The trainer ranks' placement group (one GPU, or one CPU process, per rank), within
     cluster.placement_timeout_s."""
-    from mcore_rl.placement_deadline import reserve
+    from mcore_rl.loop.placement_deadline import reserve
 
     n = config_checks.actor_gpus(cfg)
     bundle = {"CPU": 1} if cfg.cluster.device == "cpu" else {"GPU": 1, "CPU": 1}
@@ -216,9 +216,9 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
             kl_ctrl=None) -> dict:
     """Rollout -> rewards -> advantages -> log-probs -> updates; ends with the trainer holding the
     GPUs (the caller checkpoints, then hands them back with `phases.to_rollout`)."""
-    from mcore_rl import ppo
-    from mcore_rl.dynamic_sampling import sample_step_batch
-    from mcore_rl.rollout_dump import dump_rollout
+    from mcore_rl.loop import step_batch
+    from mcore_rl.loop.sampling import sample_step_batch
+    from mcore_rl.loop.rollout_dump import dump_rollout
 
     t0, times = time.perf_counter(), {}
 
@@ -245,11 +245,11 @@ def rl_step(cfg: C.Config, group: ActorGroup, engine, phases: Phases, source, pr
         batch["ref_log_probs"] = torch.cat(timed("ref", "ref_log_probs", batch))
     if cfg.critic.enabled:
         batch["values"] = torch.cat(timed("values", "values", batch))
-    metrics.update(ppo.advantages(cfg, batch, reward, idx, kl_ctrl))
+    metrics.update(step_batch.advantages(cfg, batch, reward, idx, kl_ctrl))
     if agreement and agreement[0] is not None:  # the trainer's top-k sets vs the engine's, old-log-prob pass
         metrics["rollout/route_agreement"] = agreement[0]
     mask = batch["response_mask"]  # every sampled token, for the metrics below
-    metrics.update(ppo.correct_rollout(cfg, batch))  # may take rejected tokens out of the updates' mask
+    metrics.update(step_batch.correct_rollout(cfg, batch))  # may take rejected tokens out of the updates' mask
     if cfg.critic.enabled:  # the critic learns from this batch's returns before the actor moves
         metrics.update(_mean(timed("update_critic", "update_critic", batch)))
     metrics.update(_mean(timed("update_actor", "update", batch)))
@@ -265,7 +265,7 @@ def _mean(stats: list[dict]) -> dict:
 
 
 def validate(cfg, engine, source) -> dict:
-    from mcore_rl import ppo
+    from mcore_rl.loop import step_batch
     from mcore_rl.rollout.multiturn import validation_scores
 
     idx = list(range(len(source.prompts)))
@@ -274,7 +274,7 @@ def validate(cfg, engine, source) -> dict:
     scores = []
     for s in range(0, len(idx), size):
         chunk = [i for i in idx[s:s + size] for _ in range(n)]
-        params = ppo.sampling_params(cfg, source, 0, validation=True)
+        params = step_batch.sampling_params(cfg, source, 0, validation=True)
         scores.append(validation_scores(cfg, engine, source, chunk, params))
     return {"val/reward": torch.cat(scores).mean().item()}
 
@@ -387,9 +387,9 @@ def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, repla
             print(f"resumed from {resumed[1]} (step {start})", flush=True)
         ckpt.clear_after(start)
         _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
-        from mcore_rl.ppo import correction_line, stop_ids
+        from mcore_rl.loop.step_batch import correction_line, stop_ids
         from mcore_rl.rollout.launch import launch
-        from mcore_rl.rollout_dump import RolloutReplay
+        from mcore_rl.loop.rollout_dump import RolloutReplay
 
         if replay:
             engine = RolloutReplay(replay, config_checks.hf_model_dims(cfg.model))
@@ -408,10 +408,10 @@ def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, repla
                 first = sync(start)
             print("initial weight sync: " + json.dumps({k: round(v, 3) for k, v in first.items()}), flush=True)
         rollout = engine
-        if t.mode != "sync" and not replay:  # generation runs ahead of training (mcore_rl/async_loop.py)
-            from mcore_rl import async_loop
+        if t.mode != "sync" and not replay:  # generation runs ahead of training (mcore_rl/loop/async_sources.py)
+            from mcore_rl.loop import async_sources
 
-            rollout = async_loop.wrap(cfg, engine, sync, train_task, lambda k: step_prompts(cfg, train_task, k),
+            rollout = async_sources.wrap(cfg, engine, sync, train_task, lambda k: step_prompts(cfg, train_task, k),
                                       total_steps(cfg, train_task, engine), start)
             sync = rollout.sync
         phases = Phases(cfg, group, engine, sync, plan)
@@ -457,7 +457,7 @@ def _loop(cfg, group, engine, phases, train_task, val_task, run_dir, ckpt, start
           first_sync: dict) -> dict:
     from mcore_rl.console import StepConsole
     from mcore_rl.metrics import MetricsLogger
-    from mcore_rl.ppo import kl_controller
+    from mcore_rl.loop.step_batch import kl_controller
 
     t = cfg.trainer
     short = t.console == "short" and "console" in t.logger
@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.console import quiet_fallback_warnings
 
     quiet_fallback_warnings()  # the driver imports megatron too (plans, sync layout)
-    from mcore_rl.placement_deadline import PlacementTimeout
+    from mcore_rl.loop.placement_deadline import PlacementTimeout
     from mcore_rl.preflight import check_inputs
 
     try:
@@ -623,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         return report(e)
     from mcore_rl.memory.gpus import GpuSelectionError
-    from mcore_rl.dynamic_sampling import RefillsExhausted
+    from mcore_rl.loop.sampling import RefillsExhausted
     from mcore_rl.cli_errors import BadInput, message
     from mcore_rl.memory.planner import MemoryPlanError
     from mcore_rl.rollout.base import EngineError

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from mcore_rl import batching as mb
-from mcore_rl import pipeline
+from mcore_rl.loop import micro_batches as mb
+from mcore_rl.loop import schedule
 
 
 def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, with_entropy: bool = False,
@@ -51,7 +51,7 @@ class PerToken:
             return token_logprobs(y, packs[k], temperature, fused=self._fused_logprobs)[0]
 
         routes = self._routes_hook(model, packs, replay=self.cfg["actor"]["routing_replay"], record=True)
-        for (rows, _), got in zip(plan, pipeline.forward(model, packs, per_token, tp_gather=not values,
+        for (rows, _), got in zip(plan, schedule.forward(model, packs, per_token, tp_gather=not values,
                                                          before_forward=routes)):
             if rows:
                 out[rows] = got.cpu()

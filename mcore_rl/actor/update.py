@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from mcore_rl import batching as mb
+from mcore_rl.loop import micro_batches as mb
 from mcore_rl import optim, pipeline
 from mcore_rl.actor.logprobs import token_logprobs
 

@@ -1,4 +1,4 @@
-"""The async modes (mcore_rl/async_loop.py) with SGLang's real engine on a "GPU" of its own, fed over
+"""The async modes (mcore_rl/loop/async_sources.py) with SGLang's real engine on a "GPU" of its own, fed over
 the gloo update group. one_step_off: the tiny task still learns, every step after the first trains
 on samples exactly one version old (from metrics.jsonl), and the engine really lags the trainer.
 fully_async: the tiny task learns within the staleness bound, a killed engine is a one-line error
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl.async_loop import staleness_metrics
+from mcore_rl.loop.async_sources import staleness_metrics
 from tests.support.sync_checks import BROADCAST, train
 
 
@@ -134,8 +134,8 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
     records the trainer's version: tokens, log-probs, mask and versions line up token for token."""
     import copy
 
-    from mcore_rl.async_loop import FullyAsync
-    from mcore_rl.dynamic_sampling import refill_order
+    from mcore_rl.loop.async_sources import FullyAsync
+    from mcore_rl.loop.sampling import refill_order
     from mcore_rl.train import step_prompts
     from tests.support.sync_checks import perturb
 
@@ -193,8 +193,8 @@ def test_a_round_of_pieces_holds_one_wave_of_the_engines_oldest_step_first(fully
     waits behind a second wave of the next step's fresh ones; every group still finishes."""
     import itertools
 
-    from mcore_rl import ppo
-    from mcore_rl.async_loop import BusyClock
+    from mcore_rl.loop import step_batch
+    from mcore_rl.loop.async_sources import BusyClock
     from mcore_rl.rollout.buffer import RolloutWorker
 
     cfg, group, engine, sync, source = fully_async_run
@@ -205,7 +205,7 @@ def test_a_round_of_pieces_holds_one_wave_of_the_engines_oldest_step_first(fully
             rounds.append([r.prompt[0] - 3 for r in requests])
             return engine.generate_requests(requests)
 
-    params = ppo.sampling_params(cfg, source, seed=5)
+    params = step_batch.sampling_params(cfg, source, seed=5)
     groups = [((1, 0), 0), ((1, 1), 1), ((2, 0), 2)]  # then step 3, never admitted
     stream = itertools.chain(groups, (((3, k), 3) for k in itertools.count()))
     worker = RolloutWorker(Recording(), lambda i: [i + 3] * 4, stream, params, max_len=4, segment=1,
@@ -230,7 +230,7 @@ def test_stale_groups_dropped_leave_the_step_its_fresh_groups(fully_async_run):
     out, none regenerated, and the step trains on the rest, in its prompts' order."""
     import copy
 
-    from mcore_rl.async_loop import FullyAsync
+    from mcore_rl.loop.async_sources import FullyAsync
     from mcore_rl.train import step_prompts
 
     cfg, group, engine, sync, source = fully_async_run

@@ -1,4 +1,4 @@
-"""Dump and replay (mcore_rl.rollout_dump): a dumped rollout round-trips, and `--replay` trains on
+"""Dump and replay (mcore_rl.loop.rollout_dump): a dumped rollout round-trips, and `--replay` trains on
 one fixed batch without an engine, with the same grad norm at EP=2, PP=2 and TP=2 (gloo, CPU)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from mcore_rl.rollout_dump import DumpError, RolloutReplay, dump_rollout
+from mcore_rl.loop.rollout_dump import DumpError, RolloutReplay, dump_rollout
 from tests.support.rl_batch import rl_batch
 from tests.e2e.test_train_algos import _train
 from tests.support.tiny_models import make_hf_model

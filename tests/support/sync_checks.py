@@ -35,7 +35,7 @@ def started_run(out: str, overrides=()):
     import ray
 
     from mcore_rl.data.prompts import load_prompt_sources
-    from mcore_rl.ppo import stop_ids
+    from mcore_rl.loop.step_batch import stop_ids
     from mcore_rl.rollout.launch import launch
     from mcore_rl.train import ActorGroup, prepare_model
 
@@ -165,10 +165,10 @@ def perturb(actor, scale: float):
 
 def logp_gap(cfg, group, engine, source) -> float:
     """Mean |engine - trainer| log-prob of the engine's own samples of 8 prompts."""
-    from mcore_rl import ppo
+    from mcore_rl.loop import step_batch
 
     idx = [i for i in range(8) for _ in range(cfg.rollout.n)]
-    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed=3))
+    batch = step_batch.rollout(engine, source, idx, step_batch.sampling_params(cfg, source, seed=3))
     ours = torch.cat(group.call("log_probs", batch))
     mask = batch["response_mask"].bool()
     return (ours - batch["rollout_log_probs"])[mask].abs().mean().item()

@@ -1,5 +1,5 @@
 """DAPO's reward-side pieces by hand (overlong penalty, group filter), and dynamic sampling's
-refill loop (mcore_rl.dynamic_sampling) on a scripted engine: the loop is under test, so the
+refill loop (mcore_rl.loop.sampling) on a scripted engine: the loop is under test, so the
 engine only has to answer deterministically, and the prompts' rewards are set by the test."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from mcore_rl import config as C
 from mcore_rl.algos.dapo import overlong_penalty, varied_groups
-from mcore_rl.dynamic_sampling import RefillsExhausted, concat_batches, sample_step_batch
+from mcore_rl.loop.sampling import RefillsExhausted, concat_batches, sample_step_batch
 from mcore_rl.rollout.base import Completion
 
 T = torch.tensor

@@ -16,7 +16,7 @@ from typing import Callable
 
 from mcore_rl import config as C
 from mcore_rl import config_checks
-from mcore_rl import ppo
+from mcore_rl.loop import step_batch
 from mcore_rl.algos.dapo import varied_groups
 
 # [B, P + R, ...]: left-padded prompts, then responses (routes: each token's experts per MoE layer)
@@ -97,7 +97,7 @@ def expert_layout(cfg: C.Config):
 
 def _generate(cfg, engine, source, prompts: list[int], seed: int, experts):
     idx = [i for i in prompts for _ in range(cfg.rollout.n)]
-    return ppo.scored(cfg, source, idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed), experts))
+    return step_batch.scored(cfg, source, idx, step_batch.rollout(engine, source, idx, step_batch.sampling_params(cfg, source, seed), experts))
 
 
 def round_size(cfg: C.Config, step_prompts: int) -> int:

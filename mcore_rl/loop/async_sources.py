@@ -177,11 +177,11 @@ class OneStepOff:
 
 
 def samples_batch(source, samples: list, experts=None, engine_label: str = "the rollout engine") -> dict:
-    """The batch of finished rollout.buffer Samples, as ppo.rollout makes it, plus token_versions
+    """The batch of finished rollout.buffer Samples, as step_batch.rollout makes it, plus token_versions
     [B, R] (0 past each response) aligned with the response tokens, mask and log-probs."""
-    from mcore_rl import ppo
+    from mcore_rl.loop import step_batch
 
-    batch = ppo.completions_batch(source, [s.prompt_index for s in samples], [s.completion() for s in samples],
+    batch = step_batch.completions_batch(source, [s.prompt_index for s in samples], [s.completion() for s in samples],
                                   experts, engine_label)
     versions = torch.zeros(batch["response_mask"].shape, dtype=torch.long)
     for row, s in enumerate(samples):
@@ -208,8 +208,8 @@ class FullyAsync:
 
     def __init__(self, cfg: C.Config, engine, sync: Callable, source, prompts_of: Callable[[int], list[int]],
                  start: int):
-        from mcore_rl import ppo
-        from mcore_rl.dynamic_sampling import expert_layout, refill_order, round_size
+        from mcore_rl.loop import step_batch
+        from mcore_rl.loop.sampling import expert_layout, refill_order, round_size
         from mcore_rl.rollout import multiturn
         from mcore_rl.rollout.buffer import RolloutWorker
         from mcore_rl.rollout.multiturn import is_multiturn
@@ -236,7 +236,7 @@ class FullyAsync:
                 yield from (((step, slot), i) for slot, i in enumerate(step_order(step)[:self.first_round]))
                 step += 1
 
-        params = ppo.sampling_params(cfg, source, t.seed * 100003 + start)
+        params = step_batch.sampling_params(cfg, source, t.seed * 100003 + start)
 
         def may_start(key: tuple, version: int) -> bool:
             # step k trains with version k - 1: a group started on `version` is within the bound at
@@ -260,8 +260,8 @@ class FullyAsync:
                                         self.clocks.engine, self.clocks.trainer_waits, max_live=capacity)
 
     def step_batch(self, step: int):
-        from mcore_rl import ppo
-        from mcore_rl.dynamic_sampling import sample_step_batch
+        from mcore_rl.loop import step_batch
+        from mcore_rl.loop.sampling import sample_step_batch
 
         own = self.next_step  # == step in a run (a test may train a step's groups under a later step)
         self.next_step += 1
@@ -287,7 +287,7 @@ class FullyAsync:
             batch = samples_batch(self.source, samples, self.experts,
                                   getattr(self.engine, "label", "the rollout engine"))
             if not self.multiturn:
-                return ppo.scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
+                return step_batch.scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
             from mcore_rl.rollout.multiturn import scores
 
             taken.extend(samples)
@@ -330,7 +330,7 @@ class FullyAsync:
 def wrap(cfg: C.Config, engine, sync, source, prompts_of: Callable[[int], list[int]], last_step: int,
          start: int):
     """The configured off-policy mode around `engine` and its weight `sync`."""
-    from mcore_rl.dynamic_sampling import sample_step_batch
+    from mcore_rl.loop.sampling import sample_step_batch
 
     if cfg.trainer.mode == "fully_async":
         return FullyAsync(cfg, engine, sync, source, prompts_of, start)
