@@ -64,6 +64,12 @@ class Lockstep:
         dist.broadcast(t, ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
         return t
 
+    @staticmethod
+    def _added(batch: dict, added: dict | None) -> dict:
+        """A step's batch as the driver holds it: the one put in the object store once a step
+        (loop.groups.SharedBatch), with the tensors added or replaced since."""
+        return {**batch, **added} if added else batch
+
     def _local(self, batch: dict, keys) -> dict:
         sl = self._dp_slice(len(batch["tokens"]))
         return {k: batch[k][sl] for k in keys if batch.get(k) is not None}

@@ -59,12 +59,13 @@ class PerToken:
             self._collect_routes(d, packs)
         return out if self._is_reporter() else None
 
-    def log_probs(self, batch: dict):
-        out = self._per_response_token(self.model, batch, values=False)
+    def log_probs(self, batch: dict, added: dict | None = None):
+        out = self._per_response_token(self.model, self._added(batch, added), values=False)
         self._allocator_peak("old_log_prob")
         return out
 
-    def ref_log_probs(self, batch: dict):
+    def ref_log_probs(self, batch: dict, added: dict | None = None):
+        batch = self._added(batch, added)
         if self.ref_offload is None:
             return self._per_response_token(self.ref, batch, values=False)
         self.ref_offload.onload()
@@ -73,5 +74,5 @@ class PerToken:
         finally:
             self.ref_offload.offload()
 
-    def values(self, batch: dict):
-        return self._per_response_token(self.critic, batch, values=True)
+    def values(self, batch: dict, added: dict | None = None):
+        return self._per_response_token(self.critic, self._added(batch, added), values=True)

@@ -462,7 +462,7 @@ def scores(source, convs: list[Conversation]) -> list[float]:
 
 
 class MultiTurnRounds:
-    """dynamic_sampling's generate(prompts, seed) for conversations; metrics() drains what the rounds logged."""
+    """mcore_rl.loop.sampling's generate(prompts, seed) for conversations; metrics() drains what the rounds logged."""
 
     def __init__(self, cfg, engine, source, experts=None):
         from mcore_rl.loop import step_batch

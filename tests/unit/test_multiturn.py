@@ -273,7 +273,8 @@ def test_dynamic_sampling_keeps_or_drops_whole_conversations():
                    "actor.ppo_mini_batch_size=4", "rollout.return_routed_experts=false")
     task = type(make_task("copy_last", 1))("t", [[1, 3 + i, 40 + i, 500 + i] for i in range(16)], [3] * 16)
     engine = ScriptedEngine()
-    batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, task, [0, 1, 2, 3], seed=7)
+    got = sample_step_batch(cfg, engine, task, [0, 1, 2, 3], seed=7)
+    batch, idx, score, reward, metrics = got.batch, got.idx, got.score, got.reward, got.metrics
     assert len(idx) == 16 and "multiturn/turns_mean" in metrics
     assert metrics["train/num_gen_batches"] >= 2  # odd prompts' groups dropped, refilled from further prompts
     assert {0, 2} <= set(idx) and all(i % 2 == 0 for i in idx)
