@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import ray
+import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mcore_rl import config as C
@@ -24,19 +25,34 @@ def trainer_placement(cfg: C.Config):
 
 
 class SharedBatch:
-    """A step's batch in Ray's object store, put there once; a call sends the ranks its reference
-    and, put once per call, only the tensors the driver added or replaced since (old log-probs,
-    advantages, ...). Each rank reads the batch from its node's store and takes its data-parallel
-    rows, where the driver used to send every rank the whole batch on every call."""
+    """A step's batch in Ray's object store, put there once, as one object per data-parallel slice:
+    a rank fetches only its slice's (the ranks of one slice, TP/PP/CP, share it). A call sends each
+    rank that reference and, put once per call, only its rows of the tensors the driver added or
+    replaced since (old log-probs, advantages, ...). The driver used to send every rank the whole
+    batch on every call."""
 
-    def __init__(self, batch: dict):
+    def __init__(self, batch: dict, dp: int):
         self.batch, self.sent = batch, dict(batch)
-        self.ref = ray.put(batch)
+        n = len(batch["tokens"])
+        per = -(-n // dp)  # as the ranks slice (actor.lockstep._dp_slice)
+        self.rows = [(min(n, r * per), min(n, (r + 1) * per), n) for r in range(dp)]
+        self.refs = [ray.put(self._rows(batch, rows)) for rows in self.rows]
 
-    def args(self) -> tuple:
-        """A call's arguments: the batch's reference, and the tensors new since the put (if any)."""
+    @staticmethod
+    def _rows(batch: dict, rows: tuple) -> dict:
+        start, stop, n = rows
+        out = {k: v[start:stop] if isinstance(v, torch.Tensor) and v.dim() and len(v) == n else v
+               for k, v in batch.items()}
+        out["dp_rows"] = rows  # the rank checks they are its own
+        return out
+
+    def args(self) -> list[tuple]:
+        """Each data-parallel slice's call arguments: its reference, and its rows of the tensors new
+        since the put (if any)."""
         new = {k: v for k, v in self.batch.items() if self.sent.get(k) is not v}
-        return (self.ref, ray.put(new)) if new else (self.ref,)
+        if not new:
+            return [(ref,) for ref in self.refs]
+        return [(ref, ray.put(self._rows(new, rows))) for ref, rows in zip(self.refs, self.rows)]
 
 
 class ActorGroup:
@@ -69,6 +85,8 @@ class ActorGroup:
             else "making the optimizer"
         with phase(loads):
             self.call("load_initial", init)
+        ranks = self.call("run", _data_parallel_rank)
+        self.dp_ranks, self.dp = [r for r, _ in ranks], ranks[0][1]  # which slice of a step's batch each trains on
 
     def call(self, method: str, *args):
         """Run `method` on every rank; return the non-None results in rank order."""
@@ -77,8 +95,15 @@ class ActorGroup:
 
     def share(self, batch: dict) -> SharedBatch:
         """`batch` in the object store, for `call_on`."""
-        return SharedBatch(batch)
+        return SharedBatch(batch, self.dp)
 
     def call_on(self, method: str, shared: SharedBatch):
-        """`method` of every rank on the shared batch as the driver holds it now."""
-        return self.call(method, *shared.args())
+        """`method` of every rank on its rows of the shared batch as the driver holds it now."""
+        args = shared.args()
+        out = self.ray.get([getattr(a, method).remote(*args[d]) for a, d in zip(self.actors, self.dp_ranks)])
+        return [o for o in out if o is not None]
+
+
+def _data_parallel_rank(actor) -> tuple[int, int]:
+    """(a rank's data-parallel rank, their number): which slice of a step's batch it trains on."""
+    return actor.ps.get_data_parallel_rank(), actor.ps.get_data_parallel_world_size()
