@@ -145,7 +145,7 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
     from mcore_rl.rollout.launch import start_sglang
     from mcore_rl.rollout.placement import plan_placement
     from mcore_rl.sync.engine_layout import EngineLayout
-    from mcore_rl.train import memory_plan
+    from mcore_rl.loop.startup import memory_plan
 
     placement, plan = plan_placement(cfg), memory_plan(cfg)  # sized as in the loop (GPU: the plan's KV tokens)
     tp, cpu = cfg.rollout.tp_size, cfg.cluster.device == "cpu"

@@ -3,10 +3,10 @@ and, colocated in the same process like verl's default, the frozen reference pol
 
 Ranks of one group run every method together (the model's collectives span them); each rank
 works on its data-parallel slice of a batch and the results are gathered by the driver.
-Micro-batches are packed without padding (mcore_rl.batching); every rank runs the same number
+Micro-batches are packed without padding (mcore_rl.loop.micro_batches); every rank runs the same number
 of micro-batches of the same packed length, because MoE token dispatch and TP/SP collectives
 need the ranks in lockstep. Forward and backward passes run through megatron's own schedule
-(mcore_rl.pipeline), so with pipeline parallelism outputs, losses and stats exist on the last
+(mcore_rl.loop.schedule), so with pipeline parallelism outputs, losses and stats exist on the last
 stage, whose TP rank 0 reports them.
 
 `MegatronActor` is one class (one Ray actor, its methods called as before) composed of a mixin

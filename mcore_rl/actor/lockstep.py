@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_rl import batching as mb
+from mcore_rl.loop import micro_batches as mb
 
 
 class Lockstep:
@@ -64,6 +64,21 @@ class Lockstep:
         dist.broadcast(t, ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
         return t
 
+    @staticmethod
+    def _added(batch: dict, added: dict | None) -> dict:
+        """A step's batch as the driver holds it: the rows put in the object store once a step
+        (loop.groups.SharedBatch), with the tensors added or replaced since."""
+        return {**batch, **added} if added else batch
+
     def _local(self, batch: dict, keys) -> dict:
-        sl = self._dp_slice(len(batch["tokens"]))
-        return {k: batch[k][sl] for k in keys if batch.get(k) is not None}
+        """This rank's data-parallel rows of `batch`: sliced here from a whole batch, or as the driver
+        sliced them (`dp_rows`: start, stop, of n), which must be this rank's."""
+        if "dp_rows" not in batch:
+            sl = self._dp_slice(len(batch["tokens"]))
+            return {k: batch[k][sl] for k in keys if batch.get(k) is not None}
+        start, stop, n = batch["dp_rows"]
+        mine = self._dp_slice(n)
+        if (mine.start, mine.stop) != (start, stop):
+            raise RuntimeError(f"this rank was sent rows {start}:{stop} of {n}; its data-parallel rows are "
+                               f"{mine.start}:{mine.stop}")
+        return {k: batch[k] for k in keys if batch.get(k) is not None}

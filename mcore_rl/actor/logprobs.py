@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from mcore_rl import batching as mb
-from mcore_rl import pipeline
+from mcore_rl.loop import micro_batches as mb
+from mcore_rl.loop import schedule
 
 
 def token_logprobs(logits: torch.Tensor, packed: mb.Packed, temperature: float, with_entropy: bool = False,
@@ -51,7 +51,7 @@ class PerToken:
             return token_logprobs(y, packs[k], temperature, fused=self._fused_logprobs)[0]
 
         routes = self._routes_hook(model, packs, replay=self.cfg["actor"]["routing_replay"], record=True)
-        for (rows, _), got in zip(plan, pipeline.forward(model, packs, per_token, tp_gather=not values,
+        for (rows, _), got in zip(plan, schedule.forward(model, packs, per_token, tp_gather=not values,
                                                          before_forward=routes)):
             if rows:
                 out[rows] = got.cpu()
@@ -59,12 +59,13 @@ class PerToken:
             self._collect_routes(d, packs)
         return out if self._is_reporter() else None
 
-    def log_probs(self, batch: dict):
-        out = self._per_response_token(self.model, batch, values=False)
+    def log_probs(self, batch: dict, added: dict | None = None):
+        out = self._per_response_token(self.model, self._added(batch, added), values=False)
         self._allocator_peak("old_log_prob")
         return out
 
-    def ref_log_probs(self, batch: dict):
+    def ref_log_probs(self, batch: dict, added: dict | None = None):
+        batch = self._added(batch, added)
         if self.ref_offload is None:
             return self._per_response_token(self.ref, batch, values=False)
         self.ref_offload.onload()
@@ -73,5 +74,5 @@ class PerToken:
         finally:
             self.ref_offload.offload()
 
-    def values(self, batch: dict):
-        return self._per_response_token(self.critic, batch, values=True)
+    def values(self, batch: dict, added: dict | None = None):
+        return self._per_response_token(self.critic, self._added(batch, added), values=True)

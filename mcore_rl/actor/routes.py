@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mcore_rl import batching as mb
+from mcore_rl.loop import micro_batches as mb
 
 
 class RouteReplay:

@@ -7,15 +7,16 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from mcore_rl import batching as mb
+from mcore_rl.loop import micro_batches as mb
 from mcore_rl import pipeline
 from mcore_rl.parallel import optimizer as optim
 from mcore_rl.actor.logprobs import token_logprobs
 
 
 class Update:
-    def update(self, batch: dict) -> dict | None:
+    def update(self, batch: dict, added: dict | None = None) -> dict | None:
         """PPO epochs over mini-batches of the policy; returns averaged metrics."""
+        batch = self._added(batch, added)
         self._writes_done()
         a = self.cfg["actor"]
         keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
@@ -28,7 +29,8 @@ class Update:
         out.update(self._peaks)  # onload, old log-probs and update: where the train phase's peak comes from
         return out if self._is_reporter() else None
 
-    def update_critic(self, batch: dict) -> dict | None:
+    def update_critic(self, batch: dict, added: dict | None = None) -> dict | None:
+        batch = self._added(batch, added)
         self._writes_done()
         c = self.cfg["critic"]
         keys = ("tokens", "attention_mask", "response_mask", "values", "returns")

@@ -352,7 +352,7 @@ class TrainerConfig(Section):
     mode: Literal["sync", "one_step_off", "fully_async"] = Field("sync", description=(
         "sync: each step waits for its own rollout. one_step_off: step k trains on the rollout of step k-1's weights "
         "while step k+1's is generated. fully_async: a rollout worker keeps the engines busy and hands finished groups "
-        "to a buffer (mcore_rl/async_loop.py). Both need engines of their own (cluster.colocate: false)"))
+        "to a buffer (mcore_rl/loop/async_sources.py). Both need engines of their own (cluster.colocate: false)"))
     sync_every: int = Field(1, ge=1, description="fully_async: weights go to the engines after every N updates")
     max_staleness: int = Field(1, ge=0, description=(
         "fully_async: a group with a token > N versions older than the trainer's weights is stale (stale_groups)"))

@@ -1,8 +1,10 @@
 """Colocated training and rollout on the same GPUs, one phase change at a time.
 
     to_train():   engine releases kv_cache, weights, cuda_graph -> trainer onloads its states
-    to_rollout(): trainer offloads all but its weights -> engine resumes weights -> weights are
-                  synced -> trainer offloads its weights -> engine resumes kv_cache, cuda_graph
+    to_rollout, in two halves with the checkpoint between them (written from host copies):
+      offload():  trainer offloads all but its weights -> engine resumes weights -> weights are
+                  synced -> trainer offloads its weights
+      resume():   engine resumes kv_cache, cuda_graph
 
 Weights come back before the KV cache so the sync never competes with the KV pool for
 memory; the trainer's weights stay on the GPU for the sync, which reads them there instead of
@@ -101,13 +103,13 @@ class Colocation:
             self._timed("restore_grads", self.trainer.restore_grads)
         self.phase = "train"
 
-    def to_rollout(self, after_offload: Callable[[], dict] | None = None,
-                   before_sync: Callable[[], None] | None = None, **sync_kwargs):
-        """Returns what the sync returned (its stats), updated with what `after_offload` (run while
-        the trainer's states are on the host and the KV cache still released: a checkpoint)
-        returned. `before_sync` runs once the trainer's other states are offloaded."""
+    def offload(self, before_sync: Callable[[], None] | None = None, **sync_kwargs):
+        """to_rollout's first half: the trainer's states to the host, around the engine's weights
+        coming back and the sync (which reads the trainer's weights on the GPU); returns what the
+        sync returned. What runs next (a checkpoint) finds every trainer state on the host and the
+        KV cache still released. `before_sync` runs once the trainer's other states are offloaded."""
         if self.phase != "train":
-            raise RuntimeError(f"to_rollout() called in phase {self.phase!r}")
+            raise RuntimeError(f"to_rollout's offload() called in phase {self.phase!r}")
         if self.offload_train_states:
             self.moved["offload_trainer"] = self._timed("offload_trainer", self.trainer.offload, weights=False)
         else:  # the states stay; the grads (zeroed before each update) and the update's cached blocks go
@@ -119,10 +121,13 @@ class Colocation:
         out = self._timed("sync", self.sync, **sync_kwargs)
         if self.offload_train_states:
             self.moved["offload_weights"] = self._timed("offload_weights", self.trainer.offload)
-        extra = after_offload() if after_offload else {}
+        self.phase = "offloaded"
+        return out
+
+    def resume(self) -> None:
+        """to_rollout's second half: the engine's KV cache (and CUDA graphs) back."""
+        if self.phase != "offloaded":
+            raise RuntimeError(f"to_rollout's resume() called in phase {self.phase!r}")
         self._check("kv_cache")
         self._timed("resume_kv_cache", self.engine.resume, ["kv_cache", "cuda_graph"])
         self.phase = "rollout"
-        if extra:
-            out = {**(out or {}), **extra}
-        return out

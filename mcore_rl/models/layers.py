@@ -60,7 +60,7 @@ class SDPACoreAttention(MegatronModule):
         # linear in the packed length (a mask over the whole pack would be quadratic in it)
         squeeze = query.dim() == 4
         q, k, v = (t.squeeze(1).transpose(0, 1) if squeeze else t.transpose(0, 1) for t in (query, key, value))
-        # the host copy the actor's packing attaches (mcore_rl.batching.Packed.seq_params); reading
+        # the host copy the actor's packing attaches (mcore_rl.loop.micro_batches.Packed.seq_params); reading
         # cu_seqlens from the device would stall the host once per layer
         bounds = getattr(psp, "seq_bounds", None) or psp.cu_seqlens_q.tolist()
         out = torch.cat([F.scaled_dot_product_attention(

@@ -9,7 +9,7 @@ installed on the policy's routers only (the reference policy and the critic rout
 - record: the ids the router took (replayed or its own) are kept per forward, so the trainer can
   show its choice next to the engine's (rollout/route_agreement).
 
-Targets are set per micro-batch just before its forward (mcore_rl.pipeline's before_forward).
+Targets are set per micro-batch just before its forward (mcore_rl.loop.schedule's before_forward).
 Activation recompute reruns the router inside autograd's backward; there the micro-batches' ids
 are taken back in the order their forwards ran (megatron's replay_backward_list; 1F1B runs
 backwards in forward order).

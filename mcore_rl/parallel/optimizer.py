@@ -23,7 +23,7 @@ def wrap(model, tcfg, section: dict, grad_fp32: bool = True, *, fused_adam: bool
     fused_adam: torch's fused AdamW kernel (one pass over params, grads and moments) instead of its
     multi-tensor ops, which also allocate a temporary as large as the moments. overlap_grad_reduce:
     each grad bucket is reduce-scattered as soon as the last micro-batch's backward has filled it
-    (mcore_rl.pipeline skips the sync on the other micro-batches); bucket_size in elements.
+    (mcore_rl.loop.schedule skips the sync on the other micro-batches); bucket_size in elements.
     offload_fraction: megatron's hybrid optimizer keeps that share of the Adam moments (and steps
     them) on the host."""
     distributed = section.get("use_distributed_optimizer", True)

@@ -40,7 +40,7 @@ def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: str | None = N
     if cfg.trainer.rollout_dump_dir:
         check_dir_to_write(cfg.trainer.rollout_dump_dir, "trainer.rollout_dump_dir")
     if replay:
-        from mcore_rl.rollout_dump import check_replay
+        from mcore_rl.loop.rollout_dump import check_replay
 
         check_replay(replay, config_checks.hf_model_dims(cfg.model))
     _check_multiturn_code(cfg)

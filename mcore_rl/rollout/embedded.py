@@ -39,7 +39,7 @@ class EmbeddedRollout:
         return out
 
     def _sample(self, requests: list[Request], params: SamplingParams) -> list[Completion]:
-        from mcore_rl.ppo import pad_prompts
+        from mcore_rl.loop.step_batch import pad_prompts
 
         ids, mask = pad_prompts([list(r.prompt) for r in requests], self.pad_id)
         seeds = torch.tensor([r.params.seed or 0 for r in requests], dtype=torch.long)  # always seeded here
@@ -103,7 +103,7 @@ def sample_on_shards(actor, prompts: torch.Tensor, prompt_mask: torch.Tensor, se
     """Inside a MegatronActor (via `actor.run`): this rank's data-parallel slice of left-padded
     `prompts` [B, P] extended by `max_new` sampled tokens. Returns (tokens [b, P + max_new],
     log-probs of the sampled tokens [b, max_new]) on the reporting rank, else None."""
-    from mcore_rl import pipeline
+    from mcore_rl.loop import schedule
 
     actor.model.eval()
     sl = actor._dp_slice(len(prompts))
@@ -112,7 +112,7 @@ def sample_on_shards(actor, prompts: torch.Tensor, prompt_mask: torch.Tensor, se
     for step in range(max_new):
         pad_to = actor._max_over_ranks([int(attn.sum())])[0]
         packed = actor._pack({"tokens": tokens, "attention_mask": attn}, 0, rows, -(-pad_to // tp) * tp)
-        last = pipeline.forward(actor.model, [packed], lambda y, k: y[packed.last].float(), tp_gather=True)
+        last = schedule.forward(actor.model, [packed], lambda y, k: y[packed.last].float(), tp_gather=True)
         nxt = torch.zeros(len(rows), 1, dtype=torch.long, device=actor.device)
         if last and rows:  # the last stage samples; every rank must append its token
             nxt, logp = sample_tokens(last[0], seeds, step, temperature, top_p)

@@ -138,7 +138,7 @@ def _colocated_slots(placement, where: list[dict], device: str, pg) -> list[Engi
 def own_slots(placement, device: str, timeout_s: float = 120.0) -> list[EngineSlot]:
     """A placement group per engine, one bundle per engine node; the nodes of one engine on
     distinct machines (STRICT_SPREAD), as SGLang's nnodes means."""
-    from mcore_rl.placement_deadline import reserve
+    from mcore_rl.loop.placement_deadline import reserve
 
     slots = []
     for nodes in placement.engines:

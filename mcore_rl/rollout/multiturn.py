@@ -491,14 +491,14 @@ def scores(source, convs: list[Conversation]) -> list[float]:
 
 
 class MultiTurnRounds:
-    """dynamic_sampling's generate(prompts, seed) for conversations; metrics() drains what the rounds logged."""
+    """mcore_rl.loop.sampling's generate(prompts, seed) for conversations; metrics() drains what the rounds logged."""
 
     def __init__(self, cfg, engine, source, experts=None):
-        from mcore_rl import ppo
+        from mcore_rl.loop import step_batch
 
         self.cfg, self.engine, self.source, self.experts = cfg, engine, source, experts
         self.fn, self.make_env = conversation_fn(cfg), env_factory(cfg)
-        self.ppo, self.convs, self.times = ppo, [], {"generate": 0.0, "tools": 0.0}
+        self.step_batch, self.convs, self.times = step_batch, [], {"generate": 0.0, "tools": 0.0}
 
     def ctx_args(self, params: SamplingParams) -> dict:
         return dict(params=params.with_(n=1), settings=MultiTurnSettings.of(self.cfg),
@@ -507,16 +507,16 @@ class MultiTurnRounds:
     def __call__(self, prompts: list[int], seed: int):
         import torch
 
-        params = self.ppo.sampling_params(self.cfg, self.source, seed)
+        params = self.step_batch.sampling_params(self.cfg, self.source, seed)
         idx = [i for i in prompts for _ in range(params.n)]
         convs = new_conversations(self.source, idx, params)
         times = run(self.engine, self.fn, self.ctx_args(params), convs)
         self.convs += convs
         for k in times:
             self.times[k] += times[k]
-        batch = self.ppo.completions_batch(self.source, idx, [c.completion() for c in convs], self.experts,
+        batch = self.step_batch.completions_batch(self.source, idx, [c.completion() for c in convs], self.experts,
                                            getattr(self.engine, "label", "the rollout engine"))
-        return self.ppo.scored(self.cfg, self.source, idx, batch, torch.tensor(scores(self.source, convs)))
+        return self.step_batch.scored(self.cfg, self.source, idx, batch, torch.tensor(scores(self.source, convs)))
 
     def metrics(self) -> dict:
         out = conversation_metrics(self.convs, self.times)
@@ -526,12 +526,12 @@ class MultiTurnRounds:
 
 def conversations_batch(source, idx: list[int], convs: list[Conversation], experts=None,
                         engine_label: str = "the rollout engine") -> dict:
-    """ppo.completions_batch of the conversations, plus token_versions [B, R]."""
+    """step_batch.completions_batch of the conversations, plus token_versions [B, R]."""
     import torch
 
-    from mcore_rl import ppo
+    from mcore_rl.loop import step_batch
 
-    batch = ppo.completions_batch(source, idx, [c.completion() for c in convs], experts, engine_label)
+    batch = step_batch.completions_batch(source, idx, [c.completion() for c in convs], experts, engine_label)
     versions = torch.zeros(batch["response_mask"].shape, dtype=torch.long)
     for row, c in enumerate(convs):
         versions[row, :len(c.versions)] = torch.as_tensor(c.versions, dtype=torch.long)
@@ -543,10 +543,10 @@ def validation_scores(cfg, engine, source, idx: list[int], params: SamplingParam
     """One score per entry of idx: conversations when multi-turn is configured, else single responses."""
     import torch
 
-    from mcore_rl import ppo
+    from mcore_rl.loop import step_batch
 
     if not is_multiturn(cfg):
-        return ppo.scores(source, idx, ppo.rollout(engine, source, idx, params))
+        return step_batch.scores(source, idx, step_batch.rollout(engine, source, idx, params))
     convs = new_conversations(source, idx, params)
     run(engine, conversation_fn(cfg), dict(params=params.with_(n=1), settings=MultiTurnSettings.of(cfg),
                                            tokenizer=source.tokenizer, make_env=env_factory(cfg)), convs)

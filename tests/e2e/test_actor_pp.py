@@ -34,7 +34,7 @@ def _run_actor(rank, world, *args):
 
 
 def test_pp2_actor_matches_pp1(tiny):
-    from mcore_rl import batching as mb
+    from mcore_rl.loop import micro_batches as mb
 
     batch = torch.load(tiny / "batch.pt", weights_only=True)
     lengths = mb.sample_lengths(batch["attention_mask"])

@@ -1,4 +1,4 @@
-"""The async modes (mcore_rl/async_loop.py) with SGLang's real engine on a "GPU" of its own, fed over
+"""The async modes (mcore_rl/loop/async_sources.py) with SGLang's real engine on a "GPU" of its own, fed over
 the gloo update group. one_step_off: the tiny task still learns, every step after the first trains
 on samples exactly one version old (from metrics.jsonl), and the engine really lags the trainer.
 fully_async: the tiny task learns within the staleness bound, a killed engine is a one-line error
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl.async_loop import staleness_metrics
+from mcore_rl.loop.async_sources import staleness_metrics
 from tests.support.sync_checks import BROADCAST, train
 
 
@@ -68,7 +68,7 @@ def test_fully_async_learns_and_a_killed_engine_resumes_training_each_steps_prom
 
     from mcore_rl.config import sections as C
     from mcore_rl.data.prompts import load_prompt_sources
-    from mcore_rl.train import step_prompts
+    from mcore_rl.loop.sources import step_prompts
     from tests.support.sync_checks import ROOT
     from tests.e2e.test_train import _reward_rises, by_step
 
@@ -134,9 +134,9 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
     records the trainer's version: tokens, log-probs, mask and versions line up token for token."""
     import copy
 
-    from mcore_rl.async_loop import FullyAsync
-    from mcore_rl.dynamic_sampling import refill_order
-    from mcore_rl.train import step_prompts
+    from mcore_rl.loop.async_sources import FullyAsync
+    from mcore_rl.loop.sampling import refill_order
+    from mcore_rl.loop.sources import step_prompts
     from tests.support.sync_checks import perturb
 
     cfg, group, engine, sync, source = fully_async_run
@@ -153,10 +153,11 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
             # max_staleness 2: steps 1-3 start on version 0 (step 3 trains with version 2), step 4 waits
             assert {step for step, _ in [*w.in_flight, *w.ready]} == {1, 2, 3}
         run.sync(1)  # version 1 continues them
-        batch, _, _, _, metrics = run.step_batch(2)  # step 1's groups, trained by version 1
+        got = run.next_batch(2)  # step 1's groups, trained by version 1
+        batch, metrics = got.batch, got.metrics
         ours = torch.cat(group.call("log_probs", batch))
         # step 2's groups, no sync: trained by version 3, where a group with a version-0 token is 3 versions old
-        later = run.step_batch(4)
+        later = run.next_batch(4)
     finally:
         run.shutdown()
     # DAPO's dynamic sampling through the same buffer: refill rounds requested as the step needs them
@@ -164,7 +165,7 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
     dynamic.algorithm.filter_groups.enable = True
     run = FullyAsync(dynamic, engine, sync, source, lambda k: step_prompts(cfg, source, k), start=4)
     try:
-        filtered = run.step_batch(5)
+        filtered = run.next_batch(5)
     finally:
         run.shutdown()
     mask, versions = batch["response_mask"].bool(), batch["token_versions"]
@@ -175,11 +176,11 @@ def test_partial_rollout_stays_aligned_token_for_token_and_stale_groups_are_rege
     assert metrics["async/partial_fraction"] > 0 and metrics["async/staleness_max"] == 1
     assert (gap[mask & (versions == 1)] < 1e-3).all(), gap[mask & (versions == 1)].max()
     assert gap[mask & (versions == 0)].mean() > 1e-2
-    batch3, metrics3 = later[0], later[4]
+    batch3, metrics3 = later.batch, later.metrics
     assert metrics3["async/regenerated_groups"] > 0 and metrics3["async/staleness_max"] == 2
     assert (batch3["token_versions"][batch3["response_mask"].bool()] == 1).all()
     # 4 groups whose rewards vary, the first ones of step 5's prompts and refills in their order
-    _, idx, _, reward, metrics = filtered
+    idx, reward, metrics = filtered.idx, filtered.reward, filtered.metrics
     order = refill_order(len(source.prompts), step_prompts(cfg, source, 5), cfg.trainer.seed * 100003 + 5)
     places = [order.index(i) for i in idx[::8]]
     assert len(idx) == 32 and (reward.reshape(4, 8).amax(1) > reward.reshape(4, 8).amin(1)).all()
@@ -193,8 +194,8 @@ def test_a_round_of_pieces_holds_one_wave_of_the_engines_oldest_step_first(fully
     waits behind a second wave of the next step's fresh ones; every group still finishes."""
     import itertools
 
-    from mcore_rl import ppo
-    from mcore_rl.async_loop import BusyClock
+    from mcore_rl.loop import step_batch
+    from mcore_rl.loop.async_sources import BusyClock
     from mcore_rl.rollout.buffer import RolloutWorker
 
     cfg, group, engine, sync, source = fully_async_run
@@ -205,7 +206,7 @@ def test_a_round_of_pieces_holds_one_wave_of_the_engines_oldest_step_first(fully
             rounds.append([r.prompt[0] - 3 for r in requests])
             return engine.generate_requests(requests)
 
-    params = ppo.sampling_params(cfg, source, seed=5)
+    params = step_batch.sampling_params(cfg, source, seed=5)
     groups = [((1, 0), 0), ((1, 1), 1), ((2, 0), 2)]  # then step 3, never admitted
     stream = itertools.chain(groups, (((3, k), 3) for k in itertools.count()))
     worker = RolloutWorker(Recording(), lambda i: [i + 3] * 4, stream, params, max_len=4, segment=1,
@@ -230,8 +231,8 @@ def test_stale_groups_dropped_leave_the_step_its_fresh_groups(fully_async_run):
     out, none regenerated, and the step trains on the rest, in its prompts' order."""
     import copy
 
-    from mcore_rl.async_loop import FullyAsync
-    from mcore_rl.train import step_prompts
+    from mcore_rl.loop.async_sources import FullyAsync
+    from mcore_rl.loop.sources import step_prompts
 
     cfg, group, engine, sync, source = fully_async_run
     drop = copy.deepcopy(cfg)
@@ -246,7 +247,8 @@ def test_stale_groups_dropped_leave_the_step_its_fresh_groups(fully_async_run):
                 w.raise_if_failed()
                 w.cond.wait(timeout=1.0)
         run.sync(1)
-        batch, idx, _, _, metrics = run.step_batch(4)
+        got = run.next_batch(4)
+        batch, idx, metrics = got.batch, got.idx, got.metrics
     finally:
         run.shutdown()
     n, prompts = cfg.rollout.n, step_prompts(cfg, source, 1)

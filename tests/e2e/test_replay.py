@@ -1,4 +1,4 @@
-"""Dump and replay (mcore_rl.rollout_dump): a dumped rollout round-trips, and `--replay` trains on
+"""Dump and replay (mcore_rl.loop.rollout_dump): a dumped rollout round-trips, and `--replay` trains on
 one fixed batch without an engine, with the same grad norm at EP=2, PP=2 and TP=2 (gloo, CPU)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from mcore_rl.rollout_dump import DumpError, RolloutReplay, dump_rollout
+from mcore_rl.loop.rollout_dump import DumpError, ReplaySource, dump_rollout
 from tests.support.rl_batch import rl_batch
 from tests.e2e.test_train_algos import _train
 from tests.support.tiny_models import make_hf_model
@@ -26,14 +26,15 @@ def fixed_rollout(directory: str) -> dict:
 
 def test_dump_round_trips_and_replay_errors(tmp_path):
     batch = fixed_rollout(str(tmp_path))
-    replay = RolloutReplay(str(tmp_path))
-    got, idx, score, reward, _ = replay.step_batch(1)
+    replay = ReplaySource(str(tmp_path))
+    sb = replay.next_batch(1)
+    got, idx, score, reward = sb.batch, sb.idx, sb.score, sb.reward
     assert replay.steps == [1] and idx == [4, 4, 7, 7, 9, 9] and torch.equal(reward, score - 0.25)
     assert all(torch.equal(got[k], batch[k]) for k in ROLLOUT_KEYS)
     with pytest.raises(DumpError, match=r"no dump for step 2 \(the directory has steps \[1\]\)"):
-        replay.step_batch(2)
+        replay.next_batch(2)
     with pytest.raises(DumpError, match="no rollout dumps"):
-        RolloutReplay(str(tmp_path / "empty"))
+        ReplaySource(str(tmp_path / "empty"))
 
 
 def test_replay_grad_norm_agrees_across_layouts(tmp_path):

@@ -48,7 +48,7 @@ def _update_once(rank, world, root, name):
 
 
 def test_dp2_expert_bias_update_equals_one_process(tiny):
-    from mcore_rl import batching as mb
+    from mcore_rl.loop import micro_batches as mb
 
     batch = torch.load(tiny / "batch.pt", weights_only=True)
     lengths = mb.sample_lengths(batch["attention_mask"])

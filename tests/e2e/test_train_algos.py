@@ -31,7 +31,7 @@ def tiny(tmp_path_factory):
     make_hf_model("deepseek_v3", str(root / "hf"))
     hf_to_mcore(str(root / "hf"), str(root / "ckpt"), dtype="fp32")
     batch = rl_batch()
-    # token-level TIS weights, as the driver makes them (mcore_rl.ppo.correct_rollout)
+    # token-level TIS weights, as the driver makes them (mcore_rl.loop.step_batch.correct_rollout)
     batch["rollout_is_weights"], _, _ = compute_rollout_correction(
         batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rollout_is="token",
         rollout_is_threshold=2.0)

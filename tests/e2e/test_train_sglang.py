@@ -25,7 +25,7 @@ import torch
 
 from mcore_rl.config import sections as C
 from mcore_rl.config import checks as config_checks
-from mcore_rl import ppo
+from mcore_rl.loop import step_batch
 from mcore_rl.models.routed_experts import ExpertLayout
 from tests.support.sync_checks import (BROADCAST, DISK, GLM4_MOE_TINY, QWEN3_MOE_TINY, check_a_corrupted_tensor_fails,
                                check_a_skipped_sync_fails, check_verified_grpo_steps, grpo_steps, logp_gap,
@@ -95,7 +95,7 @@ def old_log_probs(group, batch, replay: bool):
 def rollout(cfg, engine, source, seed=3):
     idx = [i for i in range(8) for _ in range(cfg.rollout.n)]
     experts = ExpertLayout.of(config_checks.hf_model_dims(cfg.model))
-    return idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed=seed), experts)
+    return idx, step_batch.rollout(engine, source, idx, step_batch.sampling_params(cfg, source, seed=seed), experts)
 
 
 def test_replayed_routes_are_the_engines_and_so_are_the_log_probs(shifted):
@@ -125,7 +125,7 @@ def test_router_learns_under_replay(shifted):
     idx, batch = rollout(cfg, engine, source, seed=4)
     group.call("run", set_replay, True)
     batch["old_log_probs"] = torch.cat(group.call("log_probs", batch))
-    ppo.advantages(cfg, batch, torch.rand(len(idx)), idx)
+    step_batch.advantages(cfg, batch, torch.rand(len(idx)), idx)
     before = group.call("run", router_weights)
     group.call("update", batch)
     after = group.call("run", router_weights)

@@ -38,7 +38,7 @@ def _rel(a, b) -> float:
 
 
 def attention_check(hf_cfg: dict, lengths=(3000, 1500, 700, 2900), device: str = "cuda") -> dict:
-    from mcore_rl import batching
+    from mcore_rl.loop import micro_batches
     from mcore_rl.models.config import HFModel, transformer_config
     from mcore_rl.models.builder import build_model
     from mcore_rl.models.layers import _varlen_call
@@ -50,7 +50,7 @@ def attention_check(hf_cfg: dict, lengths=(3000, 1500, 700, 2900), device: str =
     width = max(lengths)
     tokens = torch.randint(0, hf.vocab_size, (len(lengths), width), generator=g)
     attn = (torch.arange(width)[None] >= width - torch.tensor(lengths)[:, None]).long()  # left-padded
-    packed = batching.pack(tokens, attn, 0, list(range(len(lengths)))).to(device)
+    packed = micro_batches.pack(tokens, attn, 0, list(range(len(lengths)))).to(device)
     weight = torch.randn(hf.vocab_size, generator=g).to(device)
     out = {}
     ref_state = None

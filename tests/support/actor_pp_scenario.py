@@ -96,7 +96,7 @@ def run_actor(rank: int, world: int, port: int, root: str, tp: int, pp: int, ep:
         out = {"log_probs": as_driver(actor.log_probs(batch)), "ref": as_driver(actor.ref_log_probs(batch)),
                "values0": as_driver(actor.values(batch))}
         batch.update(old_log_probs=out["log_probs"], ref_log_probs=out["ref"], values=out["values0"])
-        # token-level TIS at cap 2, as the driver weights the policy loss (mcore_rl.ppo.correct_rollout)
+        # token-level TIS at cap 2, as the driver weights the policy loss (mcore_rl.loop.step_batch.correct_rollout)
         batch["rollout_is_weights"] = compute_rollout_correction(
             batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rollout_is="token",
             rollout_is_threshold=2.0)[0]

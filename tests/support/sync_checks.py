@@ -35,9 +35,10 @@ def started_run(out: str, overrides=()):
     import ray
 
     from mcore_rl.data.prompts import load_prompt_sources
-    from mcore_rl.ppo import stop_ids
+    from mcore_rl.loop.step_batch import stop_ids
     from mcore_rl.rollout.launch import launch
-    from mcore_rl.train import ActorGroup, prepare_model
+    from mcore_rl.loop.groups import ActorGroup
+    from mcore_rl.loop.startup import prepare_model
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     cfg = C.load_config(os.path.join(ROOT, "configs/tiny_cpu.yaml"), [f"trainer.output_dir={out}", *overrides])
@@ -91,16 +92,27 @@ def grpo_steps(run, steps: int, verify: bool | None = None, prompts=None) -> lis
     `prompts(step)`: a step's prompt indices (default: the trainer's own, `step_prompts`)."""
     import functools
 
-    from mcore_rl.train import Phases, rl_step, step_prompts
+    from mcore_rl.loop.phases import Phases
+    from mcore_rl.loop.sources import SyncSource, step_prompts
+    from mcore_rl.loop.step import StepClock, advantages, generate, log_probs, update
 
     cfg, group, engine, sync, source = run
-    phases = Phases(cfg, group, engine, functools.partial(sync, verify=verify))
-    prompts = prompts or (lambda step: step_prompts(cfg, source, step))
+    batches = SyncSource(cfg, engine, functools.partial(sync, verify=verify), source,
+                         prompts or (lambda step: step_prompts(cfg, source, step)))
+    phases = Phases(cfg, group, engine, batches.sync)
     done = []
     try:
-        for step in range(1, steps + 1):
-            metrics = rl_step(cfg, group, engine, phases, source, prompts(step), step)
-            done.append({**metrics, **phases.to_rollout(step)})
+        for step in range(1, steps + 1):  # the phases of mcore_rl.loop.run._loop, without saves or validation
+            clock = StepClock()
+            with clock("rollout"):
+                sb = generate(cfg, batches, step)
+            with clock("to_train"):
+                phases.to_train()
+            shared = group.share(sb.batch)
+            log_probs(cfg, group, sb, shared, clock)
+            sb.metrics.update(advantages(cfg, sb))
+            sb.metrics.update(update(cfg, group, shared, clock))
+            done.append({**sb.metrics, **clock.step_metrics(sb), **phases.offload(step), **phases.resume(step)})
     finally:
         phases.mon.close()
     return done
@@ -165,10 +177,10 @@ def perturb(actor, scale: float):
 
 def logp_gap(cfg, group, engine, source) -> float:
     """Mean |engine - trainer| log-prob of the engine's own samples of 8 prompts."""
-    from mcore_rl import ppo
+    from mcore_rl.loop import step_batch
 
     idx = [i for i in range(8) for _ in range(cfg.rollout.n)]
-    batch = ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed=3))
+    batch = step_batch.rollout(engine, source, idx, step_batch.sampling_params(cfg, source, seed=3))
     ours = torch.cat(group.call("log_probs", batch))
     mask = batch["response_mask"].bool()
     return (ours - batch["rollout_log_probs"])[mask].abs().mean().item()

@@ -52,7 +52,7 @@ def test_padded_batch_matches_reference():
 
 
 def test_packed_attention_splits_by_the_host_bounds():
-    """With the host copy of cu_seqlens that mcore_rl.batching attaches, the packed path never
+    """With the host copy of cu_seqlens that mcore_rl.loop.micro_batches attaches, the packed path never
     reads cu_seqlens (here on the meta device, which cannot be read) and gives the same result."""
     torch.manual_seed(2)
     lens, h, dk, dv = [4, 6], 2, 24, 16

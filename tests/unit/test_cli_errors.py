@@ -315,7 +315,7 @@ def _dump_fixtures(d) -> None:
 
     import torch
 
-    from mcore_rl.rollout_dump import dump_rollout
+    from mcore_rl.loop.rollout_dump import dump_rollout
     from tests.support.tiny_models import FAMILIES
 
     batch = {"tokens": torch.tensor([[1, 2, 3]]), "response_mask": torch.ones(1, 1)}

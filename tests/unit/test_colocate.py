@@ -75,25 +75,26 @@ def test_choreography_order_and_guard():
     log = []
     co = Colocation(Recorder(log, "engine"), Recorder(log, "trainer"), lambda: log.append(("sync",)))
     co.to_train(after_release=lambda: log.append(("train phase",)))
-    out = co.to_rollout(before_sync=lambda: log.append(("sync phase",)),
-                        after_offload=lambda: log.append(("save",)) or {"saved": 1})
+    out = co.offload(before_sync=lambda: log.append(("sync phase",)))
+    log.append(("save",))  # the loop's checkpoint, between the two halves of to_rollout
+    co.resume()
     # the sync reads the trainer's weights on the GPU; the save writes every state from the host
     assert log == [("engine", "release", ("kv_cache", "weights", "cuda_graph")), ("train phase",),
                    ("trainer", "onload"), ("trainer", "offload all but weights"), ("sync phase",),
                    ("engine", "resume", ("weights",)), ("sync",), ("trainer", "offload"), ("save",),
                    ("engine", "resume", ("kv_cache", "cuda_graph"))]
-    assert out == {"saved": 1}
+    assert out is None  # what the sync returned
     assert set(co.timings) == {"release_rollout", "onload_trainer", "offload_trainer", "resume_weights",
                                "sync", "offload_weights", "resume_kv_cache"}
     with pytest.raises(RuntimeError, match="to_rollout"):
-        co.to_rollout()
+        co.offload()
     # a resume the plan says cannot fit is refused before the engine is touched
     log.clear()
     co = Colocation(Recorder(log, "engine"), Recorder(log, "trainer"), lambda: None,
                     free_bytes=lambda: 1 << 30, resume_needs={"weights": 2 << 30})
     co.to_train()
     with pytest.raises(ResumeRefused, match="'weights'.*short by 1,024 MiB"):
-        co.to_rollout()
+        co.offload()
     assert ("engine", "resume", ("weights",)) not in log
 
 
@@ -104,7 +105,9 @@ def test_kept_states_move_nothing_but_free_the_grads():
     co = Colocation(Recorder(log, "engine"), Recorder(log, "trainer"), lambda: log.append(("sync",)),
                     offload_train_states=False)
     co.to_train()
-    co.to_rollout(after_offload=lambda: log.append(("save",)) or {})
+    co.offload()
+    log.append(("save",))
+    co.resume()
     assert log == [("engine", "release", ("kv_cache", "weights", "cuda_graph")), ("trainer", "restore grads"),
                    ("trainer", "drop grads"), ("engine", "resume", ("weights",)), ("sync",), ("save",),
                    ("engine", "resume", ("kv_cache", "cuda_graph"))]

@@ -191,7 +191,7 @@ def test_rollout_correction_and_dapo_settings_checked_up_front():
 
 
 def test_fp8_rollout_turns_token_tis_on_and_says_so():
-    from mcore_rl.ppo import correction_line, correction_settings
+    from mcore_rl.loop.step_batch import correction_line, correction_settings
 
     tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
     assert "rollout.weight_dtype=fp8 needs cluster.device gpu: SGLang's CPU engine does not start" in errors_of(

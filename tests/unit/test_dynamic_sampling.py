@@ -1,5 +1,5 @@
 """DAPO's reward-side pieces by hand (overlong penalty, group filter), and dynamic sampling's
-refill loop (mcore_rl.dynamic_sampling) on a scripted engine: the loop is under test, so the
+refill loop (mcore_rl.loop.sampling) on a scripted engine: the loop is under test, so the
 engine only has to answer deterministically, and the prompts' rewards are set by the test."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from mcore_rl.config import sections as C
 from mcore_rl.algos.dapo import overlong_penalty, varied_groups
-from mcore_rl.dynamic_sampling import RefillsExhausted, concat_batches, sample_step_batch
+from mcore_rl.loop.sampling import RefillsExhausted, concat_batches, sample_step_batch
 from mcore_rl.rollout.base import Completion
 
 T = torch.tensor
@@ -75,7 +75,8 @@ def cfg_for(*overrides):
 
 def test_dynamic_sampling_refills_from_further_prompts():
     engine, source = ScriptedEngine(), Prompts(8, solved={0, 1, 2, 5})
-    batch, idx, score, reward, m = sample_step_batch(cfg_for("data.gen_batch_size=3"), engine, source, [0, 1, 3], 0)
+    got = sample_step_batch(cfg_for("data.gen_batch_size=3"), engine, source, [0, 1, 3], 0)
+    batch, idx, score, reward, m = got.batch, got.idx, got.score, got.reward, got.metrics
     # round 1: the step's prompts 0, 1, 3 (only 3 varies), then refills in a seeded order of the rest
     assert engine.rounds[0] == [0, 1, 3] and len(engine.rounds) == m["train/num_gen_batches"] >= 2
     kept = list(dict.fromkeys(idx))
@@ -102,7 +103,8 @@ def test_overlong_penalty_shapes_the_reward_and_the_filter():
     cfg = cfg_for("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=1",
                   "reward.overlong_buffer.penalty_factor=0.5")
     engine, source = ScriptedEngine(), Prompts(4, solved={0, 1, 2, 3})
-    _, idx, score, reward, m = sample_step_batch(cfg, engine, source, [0, 1], 0)
+    got = sample_step_batch(cfg, engine, source, [0, 1], 0)
+    idx, score, reward, m = got.idx, got.score, got.reward, got.metrics
     assert idx == [0, 0, 1, 1] and score.tolist() == [1.0] * 4 and reward.tolist() == [1.0, 0.5, 1.0, 0.5]
     assert m["reward/overlong_fraction"] == 0.5 and m["reward/overlong_penalty_mean"] == pytest.approx(-0.25)
     cfg.algorithm.filter_groups.metric = "score"  # on the rule score alone every group is equal

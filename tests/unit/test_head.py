@@ -54,7 +54,7 @@ def test_without_entropy_or_its_gradient():
 @pytest.mark.parametrize("chunk_rows", [1000, 2], ids=["one-chunk", "chunked"])
 def test_token_logprobs_fused_equals_plain(monkeypatch, chunk_rows):
     """The actor's packed helper: log-probs and entropies at the response positions, both ways."""
-    from mcore_rl import batching
+    from mcore_rl.loop import micro_batches
 
     monkeypatch.setattr(head, "CHUNK_BYTES", chunk_rows * 4 * 30)
     from mcore_rl.actor import token_logprobs
@@ -64,7 +64,7 @@ def test_token_logprobs_fused_equals_plain(monkeypatch, chunk_rows):
     attn = torch.ones(3, 9, dtype=torch.long)
     attn[0, :2] = 0
     attn[2, -1] = 0  # a response that ended early
-    packed = batching.pack(tokens, attn, 3, [0, 1, 2])
+    packed = micro_batches.pack(tokens, attn, 3, [0, 1, 2])
     logits = torch.randn(packed.length, 30)
     a = token_logprobs(logits, packed, 0.9, with_entropy=True, fused=True)
     b = token_logprobs(logits, packed, 0.9, with_entropy=True, fused=False)

@@ -499,7 +499,7 @@ class Flashinfer:  # its import asks the GPU's compute capability: a CUDA contex
 import sys
 sys.meta_path.insert(0, Flashinfer())
 from mcore_rl.config import sections as C
-from mcore_rl.train import memory_plan
+from mcore_rl.loop.startup import memory_plan
 memory_plan(C.load_config('configs/moonlight_2gpu.yaml', ['cluster.n_gpus_per_node=1', 'parallel.ep=1',
                                                              'rollout.tp_size=1']))
 print('planned')

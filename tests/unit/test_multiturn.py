@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mcore_rl.config import sections as C
-from mcore_rl import ppo
+from mcore_rl.loop import step_batch
 from mcore_rl.data.tasks import make_task
 from mcore_rl.rollout.base import Completion
 from mcore_rl.rollout.multiturn import MultiTurnRounds, StepResult
@@ -172,14 +172,14 @@ def test_environment_tokens_stay_out_of_loss_kl_and_advantage_norm(tmp_path):
     assert env.any()
     uids = np.array([f"p{i}" for i in idx], dtype=object)
     # the outcome on the last model token, whatever follows it
-    ppo.advantages(cfg, batch, score, idx)
-    last = ppo.last_token(mask)
+    step_batch.advantages(cfg, batch, score, idx)
+    last = step_batch.last_token(mask)
     token_rewards = torch.zeros_like(mask)
     token_rewards[torch.arange(len(mask)), last] = score
     theirs, _ = algos.compute_reinforce_plus_plus_baseline_outcome_advantage(token_rewards, mask, uids)
     torch.testing.assert_close(batch["advantages"], theirs * mask, rtol=1e-5, atol=1e-6)  # whitened over model tokens
     cfg.algorithm.adv_estimator = "grpo"
-    ppo.advantages(cfg, batch, score, idx)
+    step_batch.advantages(cfg, batch, score, idx)
     theirs, _ = algos.compute_grpo_outcome_advantage(token_rewards, mask, uids)
     torch.testing.assert_close(batch["advantages"], theirs, rtol=1e-5, atol=1e-6)
 
@@ -211,7 +211,7 @@ def test_a_turn_cut_by_a_sync_goes_on_under_the_new_weights():
     comes from the new weights; the conversations still equal their engine-answer chains."""
     import itertools
 
-    from mcore_rl.async_loop import BusyClock
+    from mcore_rl.loop.async_sources import BusyClock
     from mcore_rl.rollout.base import SamplingParams
     from mcore_rl.rollout.multiturn import ConversationWorker, MultiTurnSettings, env_conversation
 
@@ -267,13 +267,14 @@ def test_a_custom_generate_function_replaces_the_environment_loop():
 def test_dynamic_sampling_keeps_or_drops_whole_conversations():
     """DAPO's filter on conversation scores: a group whose conversations all scored alike is dropped
     whole and refilled; the step still holds train_batch_size groups of whole conversations."""
-    from mcore_rl.dynamic_sampling import sample_step_batch
+    from mcore_rl.loop.sampling import sample_step_batch
 
     cfg = settings("algorithm.filter_groups.enable=true", "data.train_batch_size=4", "data.gen_batch_size=4",
                    "actor.ppo_mini_batch_size=4", "rollout.return_routed_experts=false")
     task = type(make_task("copy_last", 1))("t", [[1, 3 + i, 40 + i, 500 + i] for i in range(16)], [3] * 16)
     engine = ScriptedEngine()
-    batch, idx, score, reward, metrics = sample_step_batch(cfg, engine, task, [0, 1, 2, 3], seed=7)
+    got = sample_step_batch(cfg, engine, task, [0, 1, 2, 3], seed=7)
+    batch, idx, score, reward, metrics = got.batch, got.idx, got.score, got.reward, got.metrics
     assert len(idx) == 16 and "multiturn/turns_mean" in metrics
     assert metrics["train/num_gen_batches"] >= 2  # odd prompts' groups dropped, refilled from further prompts
     assert {0, 2} <= set(idx) and all(i % 2 == 0 for i in idx)

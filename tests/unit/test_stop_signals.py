@@ -1,4 +1,4 @@
-"""A run stopped by SIGTERM or SIGINT (mcore_rl.train.stop_on_signals): the signal raises Stopped in
+"""A run stopped by SIGTERM or SIGINT (mcore_rl.loop.progress.stop_on_signals): the signal raises Stopped in
 the main thread, whatever `except Exception` lies between, and the line printed names the signal,
 the step and the checkpoint the same command resumes from. The whole run under SIGTERM:
 tests/e2e/test_checkpoints.py."""
@@ -11,18 +11,18 @@ import signal
 
 import pytest
 
-from mcore_rl import train
+from mcore_rl.loop import progress
 
 
 @pytest.fixture
 def handlers():
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    before = dict(train.PROGRESS)
+    before = dict(progress.PROGRESS)
     yield
     for s, h in saved.items():
         signal.signal(s, h)
-    train.PROGRESS.clear()
-    train.PROGRESS.update(before)
+    progress.PROGRESS.clear()
+    progress.PROGRESS.update(before)
 
 
 def _complete_checkpoint(root, step: int) -> None:
@@ -36,9 +36,9 @@ def _complete_checkpoint(root, step: int) -> None:
 def test_a_signal_stops_the_run_with_one_line(sig, tmp_path, handlers):
     root = tmp_path / "checkpoints"
     _complete_checkpoint(root, 4)
-    train.PROGRESS.update(step=7, done=6, total=30, ckpt_root=str(root), signal=None)
-    train.stop_on_signals()
-    with pytest.raises(train.Stopped):
+    progress.PROGRESS.update(step=7, done=6, total=30, ckpt_root=str(root), signal=None)
+    progress.stop_on_signals()
+    with pytest.raises(progress.Stopped):
         try:
             os.kill(os.getpid(), sig)
             for _ in range(10**6):  # the handler runs between bytecodes
@@ -46,13 +46,13 @@ def test_a_signal_stops_the_run_with_one_line(sig, tmp_path, handlers):
         except Exception:  # noqa: BLE001 - what the loop's own handlers do: Stopped passes through
             pytest.fail("Stopped was caught as an Exception")
     name = signal.Signals(sig).name
-    assert train.stopped_line() == (f"error: stopped by {name} during step 7 of 30; the newest complete checkpoint "
+    assert progress.stopped_line() == (f"error: stopped by {name} during step 7 of 30; the newest complete checkpoint "
                                     f"is {root / 'step_4'} (step 4): the same command resumes from it")
 
 
 def test_before_any_checkpoint_the_line_says_the_run_starts_again(tmp_path, handlers):
-    train.PROGRESS.update(step=None, done=None, total=None, ckpt_root=str(tmp_path / "checkpoints"), signal="SIGTERM")
-    assert train.stopped_line() == ("error: stopped by SIGTERM before its first step; no checkpoint was saved yet: "
+    progress.PROGRESS.update(step=None, done=None, total=None, ckpt_root=str(tmp_path / "checkpoints"), signal="SIGTERM")
+    assert progress.stopped_line() == ("error: stopped by SIGTERM before its first step; no checkpoint was saved yet: "
                                     "the same command starts the run again")
-    train.PROGRESS.update(done=3, total=30)  # between two steps
-    assert train.stopped_line().startswith("error: stopped by SIGTERM after step 3 of 30; no checkpoint")
+    progress.PROGRESS.update(done=3, total=30)  # between two steps
+    assert progress.stopped_line().startswith("error: stopped by SIGTERM after step 3 of 30; no checkpoint")

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from mcore_rl.batching import Packed
+from mcore_rl.loop.micro_batches import Packed
 
 # (per-position output [T, V] or [T, 1], micro-batch index) -> result
 OnOutput = Callable[[torch.Tensor, int], object]

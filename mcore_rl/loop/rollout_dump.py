@@ -18,6 +18,9 @@ import zipfile
 import torch
 
 from mcore_rl.preflight.bad_input import BadInput
+from mcore_rl.loop.step_batch import StepBatch
+from mcore_rl.models.checks import num_experts
+from mcore_rl.preflight.run_dir import model_changes
 
 _NAME = re.compile(r"step_(\d+)\.pt$")
 
@@ -61,9 +64,6 @@ def load_dump(path: str, model: dict | None = None) -> dict:
 
 
 def _check_model(path: str, d: dict, model: dict) -> None:
-    from mcore_rl.models.checks import num_experts
-    from mcore_rl.preflight.run_dir import model_changes
-
     if d.get("model") is not None:
         changed = model_changes(d["model"], model)
         if changed:
@@ -100,10 +100,11 @@ def check_replay(directory: str, model: dict | None) -> None:
     load_dump(os.path.join(directory, f"step_{steps[0]}.pt"), model)
 
 
-class RolloutReplay:
-    """Stands in for the rollout engine in a train-only run: step N trains on step_N.pt."""
+class ReplaySource:
+    """The batch source of a train-only run (--replay DIR): step N trains on step_N.pt; no engine,
+    so nothing to sync or validate on."""
 
-    owns_weights = False  # nothing to sync, release or resume
+    sync = validation_engine = None
 
     def __init__(self, directory: str, model: dict | None = None):
         found = dumps_in(directory)
@@ -111,13 +112,12 @@ class RolloutReplay:
             raise DumpError(f"{directory}: no rollout dumps (step_N.pt) to replay")
         self.directory, self.steps, self.model = directory, found, model
 
-    def step_batch(self, step: int) -> tuple[dict, list[int], torch.Tensor, torch.Tensor, dict]:
-        """(batch, idx, score, reward, metrics) as dynamic_sampling.sample_step_batch gives them."""
+    def next_batch(self, step: int) -> StepBatch:
         path = os.path.join(self.directory, f"step_{step}.pt")
         if not os.path.exists(path):
             raise DumpError(f"{path}: no dump for step {step} (the directory has steps {self.steps})")
         d = load_dump(path, self.model)
-        return dict(d["batch"]), d["index"].tolist(), d["score"], d["reward"], {}
+        return StepBatch(dict(d["batch"]), d["index"].tolist(), d["score"], d["reward"])
 
     def shutdown(self) -> None:
         pass

@@ -1,4 +1,4 @@
-"""A step's scored rollout batch: one generation round, or DAPO's dynamic sampling
+"""A step's sampled, scored batch (a StepBatch): one generation round, or DAPO's dynamic sampling
 (algorithm.filter_groups), which drops groups whose rewards are all equal and refills from
 further prompts until data.train_batch_size groups remain.
 
@@ -10,14 +10,17 @@ trainer.mode=fully_async runs the same rounds on groups from its rollout buffer 
 
 from __future__ import annotations
 
-import torch
-
 from typing import Callable
+
+import torch
 
 from mcore_rl.config import sections as C
 from mcore_rl.config import checks as config_checks
-from mcore_rl import ppo
 from mcore_rl.algos.dapo import varied_groups
+from mcore_rl.loop import step_batch
+from mcore_rl.loop.step_batch import StepBatch
+from mcore_rl.rollout.multiturn import MultiTurnRounds, is_multiturn
+from mcore_rl.models.routed_experts import ExpertLayout
 
 # [B, P + R, ...]: left-padded prompts, then responses (routes: each token's experts per MoE layer)
 FULL_SEQUENCE_KEYS = ("tokens", "attention_mask", "routes")
@@ -28,10 +31,8 @@ class RefillsExhausted(RuntimeError):
 
 
 def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed: int,
-                      generate: Callable[[list[int], int], tuple] | None = None
-                      ) -> tuple[dict, list[int], torch.Tensor, torch.Tensor, dict]:
-    """(batch, idx, score, reward, metrics): idx repeats each prompt rollout.n times; score is the
-    rule score of each sample, reward the score after reward shaping (what advantages use).
+                      generate: Callable[[list[int], int], tuple] | None = None) -> StepBatch:
+    """The StepBatch of the prompts `prompt_idx`, sampled with `seed`.
     generate(prompts, seed) -> (batch, idx, score, reward) of one round; default: on `engine`."""
     if generate is None:
         generate = round_generator(cfg, engine, source)
@@ -45,7 +46,7 @@ def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed
         penalty = reward - score
         metrics.update({"reward/overlong_penalty_mean": penalty.mean().item(),
                         "reward/overlong_fraction": (penalty < 0).float().mean().item()})
-    return batch, idx, score, reward, metrics
+    return StepBatch(batch, idx, score, reward, metrics)
 
 
 def _filtered(cfg: C.Config, generate, num_prompts: int, prompt_idx: list[int], seed: int):
@@ -77,8 +78,6 @@ def _filtered(cfg: C.Config, generate, num_prompts: int, prompt_idx: list[int], 
 def round_generator(cfg: C.Config, engine, source) -> Callable[[list[int], int], tuple]:
     """generate(prompts, seed) -> (batch, idx, score, reward) of one round on `engine`: single
     responses, or conversations (rollout.env / rollout.generate_fn, mcore_rl.rollout.multiturn)."""
-    from mcore_rl.rollout.multiturn import MultiTurnRounds, is_multiturn
-
     experts = expert_layout(cfg)  # once: every round's routes have it
     if is_multiturn(cfg):
         return MultiTurnRounds(cfg, engine, source, experts)
@@ -90,14 +89,12 @@ def round_generator(cfg: C.Config, engine, source) -> Callable[[list[int], int],
 
 def expert_layout(cfg: C.Config):
     """The layout of the routes the engines return (routing replay), or None when they return none."""
-    from mcore_rl.models.routed_experts import ExpertLayout
-
     return ExpertLayout.of(config_checks.hf_model_dims(cfg.model)) if config_checks.returns_routes(cfg) else None
 
 
 def _generate(cfg, engine, source, prompts: list[int], seed: int, experts):
     idx = [i for i in prompts for _ in range(cfg.rollout.n)]
-    return ppo.scored(cfg, source, idx, ppo.rollout(engine, source, idx, ppo.sampling_params(cfg, source, seed), experts))
+    return step_batch.scored(cfg, source, idx, step_batch.rollout(engine, source, idx, step_batch.sampling_params(cfg, source, seed), experts))
 
 
 def round_size(cfg: C.Config, step_prompts: int) -> int:

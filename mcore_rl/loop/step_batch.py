@@ -1,5 +1,7 @@
-"""Driver-side pieces of one RL step: the rollout batch, rewards (with the optional KL penalty),
-advantages and the data metrics, named like verl's so dashboards line up.
+"""The step batch on the driver: `StepBatch` (what a batch source gives a step), made from the
+engine's completions, scored, given rewards (with the optional KL penalty) and advantages,
+corrected against the engine's log-probs, and measured (data metrics named like verl's, so
+dashboards line up); `step_seed`, the seed of a step's sampling.
 
 A batch is a dict of tensors over B samples: tokens [B, P + R] (left-padded prompts, then
 responses), attention_mask [B, P + R], and response-aligned [B, R] tensors (response_mask,
@@ -8,9 +10,40 @@ rollout/old/ref log-probs, values, advantages, returns).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from mcore_rl.config import sections as C
+from mcore_rl.algos.advantages import compute_advantage
+from mcore_rl.algos.dapo import overlong_penalty
+from mcore_rl.algos.kl import apply_kl_in_reward, make_kl_controller
+from mcore_rl.algos.rollout_correction import compute_rollout_correction
+from mcore_rl.rollout.base import SamplingParams
+from mcore_rl.models.routed_experts import batch_routes
+
+
+@dataclass
+class StepBatch:
+    """One step's scored rollout. batch: the tensors above; idx: each sample's prompt index (each
+    prompt rollout.n times in a row); score: each sample's rule score; reward: the score after
+    reward shaping (what advantages use); metrics: what the rollout measured."""
+
+    batch: dict
+    idx: list[int]
+    score: torch.Tensor
+    reward: torch.Tensor
+    metrics: dict = field(default_factory=dict)
+    # every sampled token: rollout correction may take some out of batch["response_mask"] later
+    sampled_mask: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.sampled_mask = self.batch["response_mask"]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of step `step` of a run seeded `seed` (trainer.seed); also orders its refills."""
+    return seed * 100003 + step
 
 
 def pad_prompts(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +90,6 @@ def completions_batch(source, idx: list[int], done: list, experts=None, engine_l
     batch = {"tokens": torch.cat([prompts, resp], 1), "attention_mask": torch.cat([pmask, attended], 1),
              "response_mask": resp_mask, "rollout_log_probs": logps}
     if experts is not None:
-        from mcore_rl.models.routed_experts import batch_routes
-
         batch["routes"] = batch_routes(done, [len(source.prompts[i]) for i in idx], batch["tokens"].shape[1],
                                        experts, engine_label)
     return batch
@@ -67,8 +98,6 @@ def completions_batch(source, idx: list[int], done: list, experts=None, engine_l
 def sampling_params(cfg: C.Config, source, seed: int, validation: bool = False):
     """The rollout's SamplingParams: EOS of the prompts' tokenizer plus rollout.stop_token_ids stop a
     response; with rollout.ignore_eos nothing does (each runs to max_response_len)."""
-    from mcore_rl.rollout.base import SamplingParams
-
     r = cfg.rollout
     return SamplingParams(n=r.val_n if validation else r.n, temperature=r.val_temperature if validation else r.temperature,
                           top_p=1.0 if validation else r.top_p, max_new_tokens=r.max_response_len,
@@ -95,8 +124,6 @@ def reward_shaping(cfg: C.Config, batch: dict) -> torch.Tensor:
     lengths = batch["response_mask"].sum(1)
     if not ob.enable:
         return torch.zeros_like(lengths)
-    from mcore_rl.algos.dapo import overlong_penalty
-
     return overlong_penalty(lengths, cfg.rollout.max_response_len, ob.len, ob.penalty_factor)
 
 
@@ -129,8 +156,6 @@ def correct_rollout(cfg: C.Config, batch: dict) -> dict:
     """Rollout correction against the engine's log-probs: batch["rollout_is_weights"] for the
     policy loss and, with rejection, the response mask the updates use (after advantages and the
     data metrics, which see every sampled token). Returns the rollout_corr/* metrics."""
-    from mcore_rl.algos.rollout_correction import compute_rollout_correction
-
     corr = correction_settings(cfg)
     if corr["rollout_is"] is None and corr["rollout_rs"] is None:
         return {}
@@ -151,9 +176,6 @@ def scored(cfg: C.Config, source, idx: list[int], batch: dict, score: torch.Tens
 def advantages(cfg: C.Config, batch: dict, score: torch.Tensor, idx: list[int], kl_ctrl=None) -> dict:
     """Token-level rewards (score on the last response token, minus beta * KL when
     algorithm.use_kl_in_reward) -> batch["advantages"], batch["returns"]; returns metrics."""
-    from mcore_rl.algos.advantages import compute_advantage
-    from mcore_rl.algos.kl import apply_kl_in_reward
-
     alg, mask = cfg.algorithm, batch["response_mask"]
     token_scores = torch.zeros_like(mask)
     last = last_token(mask)
@@ -216,8 +238,6 @@ def mismatch_metrics(engine: torch.Tensor, trainer: torch.Tensor) -> dict:
 
 def kl_controller(cfg: C.Config, coef: float | None = None):
     """algorithm.kl_ctrl's controller, continuing from a checkpointed coefficient when given."""
-    from mcore_rl.algos.kl import make_kl_controller
-
     if not cfg.algorithm.use_kl_in_reward:
         return None
     ctrl = make_kl_controller(**cfg.algorithm.kl_ctrl.model_dump())

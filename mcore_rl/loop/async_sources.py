@@ -1,4 +1,4 @@
-"""The async trainer modes: generation overlaps training (engines on resources of their own).
+"""The async batch sources: generation overlaps training (engines on resources of their own).
 
 `OneStepOff` (trainer.mode=one_step_off), below; `FullyAsync` (fully_async): a rollout worker
 (mcore_rl.rollout.buffer) keeps the engines busy, the trainer takes each step's finished groups, weights
@@ -19,8 +19,8 @@ so every step after the first trains on samples one version old (step 1, and the
 a resume, on fresh ones). Every response token records the version of the weights that sampled it
 (batch["token_versions"]); staleness is per sample, counted from its oldest token.
 
-Both stand in for the engine in train.rl_step (their `step_batch`, as a rollout replay's) and wrap
-the weight sync; nothing else of the loop changes. A killed run resumes from its checkpoint and
+Both are batch sources (mcore_rl.loop.sources): `next_batch(step)` gives the loop a step's
+StepBatch, and they wrap the weight sync (`sync`); nothing else of the loop changes. A killed run resumes from its checkpoint and
 regenerates what was in flight: each step's prompts follow from its number, in both modes (a
 fully_async step waits for its own prompts' groups), so none is lost or trained twice.
 """
@@ -36,6 +36,11 @@ import torch
 
 from mcore_rl.config import sections as C
 from mcore_rl.config import checks as config_checks
+from mcore_rl.loop import step_batch
+from mcore_rl.loop.sampling import expert_layout, refill_order, round_size, sample_step_batch
+from mcore_rl.loop.step_batch import StepBatch, step_seed
+from mcore_rl.rollout import multiturn
+from mcore_rl.rollout.buffer import RolloutWorker
 
 
 def staleness_metrics(token_versions: torch.Tensor, response_mask: torch.Tensor, trainer_version: int) -> dict:
@@ -98,10 +103,8 @@ class StepClocks:
 class OneStepOff:
     """The rollout of the next step generated ahead, on one thread driving the engines.
 
-    sample(step, prompts, seed) -> (batch, idx, score, reward, metrics) generates a step's batch
-    (dynamic_sampling.sample_step_batch); prompts_of(step) gives a step's prompt indices."""
-
-    owns_weights = True
+    sample(prompts, seed) -> StepBatch generates a step's batch (loop.sampling.sample_step_batch);
+    prompts_of(step) gives a step's prompt indices."""
 
     def __init__(self, engine, sync: Callable[[int], dict], sample: Callable, prompts_of: Callable[[int], list[int]],
                  last_step: int, start_version: int, seed: int):
@@ -120,12 +123,11 @@ class OneStepOff:
             self.clocks.engine.start()
             t = time.perf_counter()
             try:
-                out = self.sample(self.prompts_of(step), self.seed * 100003 + step)
+                out = self.sample(self.prompts_of(step), step_seed(self.seed, step))
             finally:
                 self.clocks.engine.stop()
-            batch = out[0]
-            batch["token_versions"] = torch.full(batch["response_mask"].shape, version, dtype=torch.long)
-            out[4]["timing/generate"] = time.perf_counter() - t
+            out.batch["token_versions"] = torch.full(out.sampled_mask.shape, version, dtype=torch.long)
+            out.metrics["timing/generate"] = time.perf_counter() - t
             return out
 
         self.pending[step] = self.pool.submit(generate)
@@ -143,17 +145,21 @@ class OneStepOff:
             if not future.done():
                 self._wait(future)
 
-    # ---- what train.py calls ----------------------------------------------------------------------
-    def step_batch(self, step: int):
+    # ---- what the loop calls ----------------------------------------------------------------------
+    @property
+    def validation_engine(self):
+        return self  # generate and generate_requests below wait for the engines to be between batches
+
+    def next_batch(self, step: int) -> StepBatch:
         """Step `step`'s scored batch (generated ahead, or now for the first step of a run); starts
         the next step's generation before returning it."""
         if step not in self.pending:
             self._launch(step)
-        batch, idx, score, reward, metrics = self._wait(self.pending.pop(step))
+        out = self._wait(self.pending.pop(step))
         if step + 1 <= self.last_step:
             self._launch(step + 1)
-        metrics.update(self.clocks.step_metrics(batch, step))
-        return batch, idx, score, reward, metrics
+        out.metrics.update(self.clocks.step_metrics(out.batch, step))
+        return out
 
     def sync(self, step: int, verify: bool | None = None) -> dict:
         """The weight sync after step `step`'s update, once the engines are between batches."""
@@ -177,11 +183,9 @@ class OneStepOff:
 
 
 def samples_batch(source, samples: list, experts=None, engine_label: str = "the rollout engine") -> dict:
-    """The batch of finished rollout.buffer Samples, as ppo.rollout makes it, plus token_versions
+    """The batch of finished rollout.buffer Samples, as step_batch.rollout makes it, plus token_versions
     [B, R] (0 past each response) aligned with the response tokens, mask and log-probs."""
-    from mcore_rl import ppo
-
-    batch = ppo.completions_batch(source, [s.prompt_index for s in samples], [s.completion() for s in samples],
+    batch = step_batch.completions_batch(source, [s.prompt_index for s in samples], [s.completion() for s in samples],
                                   experts, engine_label)
     versions = torch.zeros(batch["response_mask"].shape, dtype=torch.long)
     for row, s in enumerate(samples):
@@ -204,16 +208,8 @@ class FullyAsync:
     sampling (algorithm.filter_groups) takes its rounds from the buffer too: the first round of each
     step is generated ahead, refill rounds when the step finds too few groups with varied rewards."""
 
-    owns_weights = True
-
     def __init__(self, cfg: C.Config, engine, sync: Callable, source, prompts_of: Callable[[int], list[int]],
                  start: int):
-        from mcore_rl import ppo
-        from mcore_rl.dynamic_sampling import expert_layout, refill_order, round_size
-        from mcore_rl.rollout import multiturn
-        from mcore_rl.rollout.buffer import RolloutWorker
-        from mcore_rl.rollout.multiturn import is_multiturn
-
         t = cfg.trainer
         self.cfg, self.engine, self._sync, self.source = cfg, engine, sync, source
         self.sync_every, self.max_staleness = t.sync_every, t.max_staleness
@@ -225,7 +221,7 @@ class FullyAsync:
 
         def step_order(step: int) -> list[int]:  # a step's prompts as its generation rounds take them
             mine = prompts_of(step)
-            return refill_order(len(source.prompts), mine, t.seed * 100003 + step) if filtered else mine
+            return refill_order(len(source.prompts), mine, step_seed(t.seed, step)) if filtered else mine
 
         self.prompts_of, self.step_order = prompts_of, step_order
         self.first_round = round_size(cfg, cfg.data.train_batch_size) if filtered else cfg.data.train_batch_size
@@ -236,7 +232,7 @@ class FullyAsync:
                 yield from (((step, slot), i) for slot, i in enumerate(step_order(step)[:self.first_round]))
                 step += 1
 
-        params = ppo.sampling_params(cfg, source, t.seed * 100003 + start)
+        params = step_batch.sampling_params(cfg, source, step_seed(t.seed, start))
 
         def may_start(key: tuple, version: int) -> bool:
             # step k trains with version k - 1: a group started on `version` is within the bound at
@@ -247,7 +243,7 @@ class FullyAsync:
         # the engines' decode batch (SGLang's max_running_requests); the CPU engine takes any unless it is set
         per_engine = cfg.rollout.max_running_requests if cfg.cluster.device == "cpu" else config_checks.max_running_requests(cfg)
         capacity = per_engine and per_engine * getattr(engine, "engines", 1)
-        self.multiturn = is_multiturn(cfg)
+        self.multiturn = multiturn.is_multiturn(cfg)
         if self.multiturn:  # conversations (rollout.env / generate_fn) instead of single responses
             self.worker = multiturn.ConversationWorker(
                 engine, lambda i: source.prompts[i], prompt_stream(), params,
@@ -259,10 +255,11 @@ class FullyAsync:
                                         cfg.rollout.max_response_len, t.partial_rollout_tokens, may_start, start,
                                         self.clocks.engine, self.clocks.trainer_waits, max_live=capacity)
 
-    def step_batch(self, step: int):
-        from mcore_rl import ppo
-        from mcore_rl.dynamic_sampling import sample_step_batch
+    @property
+    def validation_engine(self):
+        return self  # generate and generate_requests below pause the worker
 
+    def next_batch(self, step: int) -> StepBatch:
         own = self.next_step  # == step in a run (a test may train a step's groups under a later step)
         self.next_step += 1
         slot_of = {i: slot for slot, i in enumerate(self.step_order(own))}
@@ -287,22 +284,18 @@ class FullyAsync:
             batch = samples_batch(self.source, samples, self.experts,
                                   getattr(self.engine, "label", "the rollout engine"))
             if not self.multiturn:
-                return ppo.scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
-            from mcore_rl.rollout.multiturn import scores
-
+                return step_batch.scored(self.cfg, self.source, [s.prompt_index for s in samples], batch)
             taken.extend(samples)
-            return ppo.scored(self.cfg, self.source, [s.prompt_index for s in samples], batch,
-                              torch.tensor(scores(self.source, samples)))
+            return step_batch.scored(self.cfg, self.source, [s.prompt_index for s in samples], batch,
+                                     torch.tensor(multiturn.scores(self.source, samples)))
 
-        batch, idx, score, reward, metrics = sample_step_batch(
-            self.cfg, self.engine, self.source, self.prompts_of(own), self.cfg.trainer.seed * 100003 + own, generate)
-        metrics.update({"async/regenerated_groups": float(regenerated), "async/dropped_groups": float(dropped),
-                        **self.clocks.step_metrics(batch, step)})
+        out = sample_step_batch(self.cfg, self.engine, self.source, self.prompts_of(own),
+                                step_seed(self.cfg.trainer.seed, own), generate)
+        out.metrics.update({"async/regenerated_groups": float(regenerated), "async/dropped_groups": float(dropped),
+                            **self.clocks.step_metrics(out.batch, step)})
         if taken:
-            from mcore_rl.rollout.multiturn import conversation_metrics
-
-            metrics.update(conversation_metrics(taken))
-        return batch, idx, score, reward, metrics
+            out.metrics.update(multiturn.conversation_metrics(taken))
+        return out
 
     def sync(self, step: int, verify: bool | None = None) -> dict:
         """After every sync_every-th update: the weights, between two pieces of the responses in flight."""
@@ -326,13 +319,3 @@ class FullyAsync:
     def shutdown(self) -> None:
         self.worker.stop()
 
-
-def wrap(cfg: C.Config, engine, sync, source, prompts_of: Callable[[int], list[int]], last_step: int,
-         start: int):
-    """The configured off-policy mode around `engine` and its weight `sync`."""
-    from mcore_rl.dynamic_sampling import sample_step_batch
-
-    if cfg.trainer.mode == "fully_async":
-        return FullyAsync(cfg, engine, sync, source, prompts_of, start)
-    return OneStepOff(engine, sync, lambda prompts, seed: sample_step_batch(cfg, engine, source, prompts, seed),
-                      prompts_of, last_step, start_version=start, seed=cfg.trainer.seed)
