@@ -135,8 +135,9 @@ class ActorGroup:
             self.actors = [remote.options(scheduling_strategy=on(i)).remote(i, n, port, hf_dir, d, addr,
                                                                              build_only=True)
                            for i in range(n)]
-            nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+            where = ray.get([a.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(), os.getpid()))
                              for a in self.actors])
+        nodes, self.pids = [n for n, _ in where], [pid for _, pid in where]
         print(f"{n} actor ranks on {len(set(nodes))} node(s); rendezvous {addr}:{port}", flush=True)
         loads = "loading the initial weights and making the optimizer" if (init or {}).get("policy") \
             else "making the optimizer"
@@ -145,7 +146,12 @@ class ActorGroup:
 
     def call(self, method: str, *args):
         """Run `method` on every rank; return the non-None results in rank order."""
-        out = self.ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        try:
+            out = self.ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        except self.ray.exceptions.RayActorError as e:  # a rank's process died: say which, and why
+            from mcore_rl.actor.deaths import trainer_died
+
+            raise trainer_died(e, method, self.actors, self.pids) from e
         return [o for o in out if o is not None]
 
 
