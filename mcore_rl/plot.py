@@ -2,9 +2,9 @@
 
 Writes one PNG per panel that has data (reward, kl, entropy, loss, length, time per phase, host
 memory and GPU memory per phase against the memory plan) and overview.png with all of them, into
-RUN_DIR/plots by default. A CPU run measures no GPU memory and makes no memory plan: its host memory
-panel has the readings alone and says so. The keys are the ones mcore_rl.train logs (one record a step); when a
-resumed run re-logged a step, the last record of that step wins.
+RUN_DIR/plots by default. A CPU run measures no GPU memory and makes no memory plan: its host
+memory panel has the readings alone and says so. The keys are the ones mcore_rl.train logs (one
+record a step); when a resumed run re-logged a step, the last record of that step wins.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ PANELS: dict[str, tuple[str, str, Callable[[str], bool]]] = {
 
 def distinct(series: Series) -> Series:
     """One line per quantity: a series equal to one kept before it at every step is drawn as that
-    one, whose label names both (critic/score/mean is reward/mean; critic/rewards/mean is too
+    one, whose label names them all (critic/score/mean is reward/mean; critic/rewards/mean is too
     without a KL penalty in the reward): "reward/mean = critic/score/mean"."""
     kept: dict[str, tuple[list[str], tuple[list[int], list[float]]]] = {}
     for key, (steps, values) in series.items():
