@@ -4,6 +4,7 @@ each other concern come from the mixins it is composed of (see mcore_rl.actor)."
 
 from __future__ import annotations
 
+import faulthandler
 import os
 
 import torch
@@ -26,6 +27,9 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         without one the policy keeps megatron's seeded init and the critic copies the policy.
         build_only: stop after building the policy on the device; `load_initial(init)` completes
         the construction (a driver times the two apart)."""
+        # a native crash (heap corruption, a segfault) dumps every thread's Python stack, not only
+        # the crashing one's (Ray enables faulthandler for the current thread): what ran beside it
+        faulthandler.enable(all_threads=True)
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world))
         if not torch.cuda.is_available():  # compiling costs more than it saves on CPU (mcore_rl.models.fused)

@@ -4,6 +4,7 @@ out to all of them and gathered; a step's batch reaches them through Ray's objec
 from __future__ import annotations
 
 import contextlib
+import os
 
 import ray
 import torch
@@ -78,8 +79,9 @@ class ActorGroup:
             self.actors = [remote.options(scheduling_strategy=on(i)).remote(i, n, port, hf_dir, d, addr,
                                                                              build_only=True)
                            for i in range(n)]
-            nodes = ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+            where = ray.get([a.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(), os.getpid()))
                              for a in self.actors])
+        nodes, self.pids = [n for n, _ in where], [pid for _, pid in where]
         print(f"{n} actor ranks on {len(set(nodes))} node(s); rendezvous {addr}:{port}", flush=True)
         loads = "loading the initial weights and making the optimizer" if (init or {}).get("policy") \
             else "making the optimizer"
@@ -90,7 +92,15 @@ class ActorGroup:
 
     def call(self, method: str, *args):
         """Run `method` on every rank; return the non-None results in rank order."""
-        out = self.ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        return self._gathered(method, [getattr(a, method).remote(*args) for a in self.actors])
+
+    def _gathered(self, method: str, refs: list) -> list:
+        try:
+            out = self.ray.get(refs)
+        except self.ray.exceptions.RayActorError as e:  # a rank's process died: say which, and why
+            from mcore_rl.actor.deaths import trainer_died  # lazy: mcore_rl.actor imports the models
+
+            raise trainer_died(e, method, self.actors, self.pids) from e
         return [o for o in out if o is not None]
 
     def share(self, batch: dict) -> SharedBatch:
@@ -100,8 +110,7 @@ class ActorGroup:
     def call_on(self, method: str, shared: SharedBatch):
         """`method` of every rank on its rows of the shared batch as the driver holds it now."""
         args = shared.args()
-        out = self.ray.get([getattr(a, method).remote(*args[d]) for a, d in zip(self.actors, self.dp_ranks)])
-        return [o for o in out if o is not None]
+        return self._gathered(method, [getattr(a, method).remote(*args[d]) for a, d in zip(self.actors, self.dp_ranks)])
 
 
 def _data_parallel_rank(actor) -> tuple[int, int]:

@@ -2,8 +2,9 @@
 
 Writes one PNG per panel that has data (reward, kl, entropy, loss, length, time per phase, host
 memory and GPU memory per phase against the memory plan) and overview.png with all of them, into
-RUN_DIR/plots by default. The keys are the ones mcore_rl.train logs (one record a step); when a
-resumed run re-logged a step, the last record of that step wins.
+RUN_DIR/plots by default. A CPU run measures no GPU memory and makes no memory plan: its host
+memory panel has the readings alone and says so. The keys are the ones mcore_rl.train logs (one
+record a step); when a resumed run re-logged a step, the last record of that step wins.
 """
 
 from __future__ import annotations
@@ -49,22 +50,26 @@ PANELS: dict[str, tuple[str, str, Callable[[str], bool]]] = {
     "loss": ("Losses", "loss", lambda k: k.endswith("_loss") or k.endswith("/loss")),
     "length": ("Response length", "tokens", lambda k: k.startswith("response/length")),
     "timing": ("Time per phase", "seconds", lambda k: k == TO_ROLLOUT or any(k in v for v in PHASE_TIMES.values())),
-    "host_memory": ("Host memory per phase (RSS peak)", "GiB",
+    "host_memory": ("Host memory per phase: RSS peak", "GiB",
                     lambda k: k.startswith(("memory/host_rss_peak_gib_", "plan/host_"))),
-    "gpu_memory": ("GPU memory per phase (peak; dashed: plan)", "GiB",
+    "gpu_memory": ("GPU memory per phase: peak", "GiB",
                    lambda k: k.startswith(("memory/gpu_peak_gib_", "plan/gpu_"))),
 }
 
 
 def distinct(series: Series) -> Series:
-    """One line per quantity: a series equal to one kept before it at every step is left out
-    (critic/score/mean is reward/mean; critic/rewards/mean is too without a KL penalty)."""
-    kept: Series = {}
+    """One line per quantity: a series equal to one kept before it at every step is drawn as that
+    one, whose label names them all (critic/score/mean is reward/mean; critic/rewards/mean is too
+    without a KL penalty in the reward): "reward/mean = critic/score/mean"."""
+    kept: dict[str, tuple[list[str], tuple[list[int], list[float]]]] = {}
     for key, (steps, values) in series.items():
-        if not any(steps == s and all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(values, v))
-                   for s, v in kept.values()):
-            kept[key] = (steps, values)
-    return kept
+        same = next((k for k, (_, (s, v)) in kept.items() if steps == s and all(
+            math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(values, v))), None)
+        if same is None:
+            kept[key] = ([key], (steps, values))
+        else:
+            kept[same][0].append(key)
+    return {" = ".join(names): line for names, line in kept.values()}
 
 
 def phase_times(series: Series) -> Series:
@@ -166,6 +171,8 @@ def select_panels(series: Series) -> dict[str, tuple[str, str, Series]]:
             data = distinct({k: data[k] for k in REWARD_KEYS if k in data})
         measured = phase_times(data) if name == "timing" else \
             {k: v for k, v in data.items() if not k.startswith("plan/")}  # a plan alone is no reading
+        if name in ("host_memory", "gpu_memory"):  # CPU runs make no plan (mcore_rl.train.memory_plan)
+            title += ", no plan in this run" if len(measured) == len(data) else ", dashed: the plan"
         if measured:
             panels[name] = (title, ylabel, data)
     return panels

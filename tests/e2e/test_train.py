@@ -32,7 +32,7 @@ def _train(out, *overrides, env=None, config="configs/tiny_cpu.yaml", **popen):
 def _failure(log: str) -> str:
     """The driver's own lines of a failed run's log (not Ray workers' output or native stack frames)."""
     own = [ln for ln in log.splitlines() if not ln.lstrip().startswith(("\x1b[36m(", "(", "frame #"))]
-    return "\n".join(own)[-3000:]
+    return "\n".join(own)[-6000:]  # a dead trainer rank's error ends with its stderr (mcore_rl.actor.deaths)
 
 
 def _records(out):

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from mcore_rl.metrics.logger import MetricsLogger, is_secret_key, redact
-from mcore_rl.metrics.plot import PANELS, distinct, load_metrics, phase_times, plot_run
+from mcore_rl.metrics.plot import PANELS, distinct, load_metrics, phase_times, plot_run, select_panels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLANTED = {"WANDB_API_KEY": "planted-wandb-key-1234", "HF_TOKEN": "hf_plantedtoken5678",
@@ -106,13 +106,49 @@ def test_load_metrics_merges_a_steps_records_and_skips_partial_lines(tmp_path):
 
 def test_one_line_per_distinct_quantity_and_the_phases_of_a_step():
     same, other = ([1, 2], [0.5, 0.25]), ([1, 2], [0.5, 0.75])
-    assert list(distinct({"reward/mean": same, "critic/score/mean": same, "critic/rewards/mean": other})) == \
-        ["reward/mean", "critic/rewards/mean"]
+    assert distinct({"reward/mean": same, "critic/score/mean": same, "critic/rewards/mean": other}) == \
+        {"reward/mean = critic/score/mean": same, "critic/rewards/mean": other}
     # timing/to_rollout holds the save and the sync: its own bar is the rest
     times = phase_times({"timing/rollout": ([1], [2.0]), "timing/to_rollout": ([1], [1.5]), "sync/seconds": ([1], [1.0]),
                          "timing/save": ([1], [0.25]), "timing/update_actor": ([1], [3.0])})
     assert times == {"rollout": ([1], [2.0]), "update": ([1], [3.0]), "save": ([1], [0.25]),
                      "to_rollout": ([1], [0.25]), "sync": ([1], [1.0])}
+
+
+def drawn(series) -> dict[str, tuple[str, list[str]]]:
+    """{panel: (its title, its legend's labels)} as plot_run draws them."""
+    import matplotlib.pyplot as plt
+
+    from mcore_rl.metrics.plot import _draw
+
+    out = {}
+    for name, (title, ylabel, data) in select_panels(series).items():
+        fig, ax = plt.subplots()
+        _draw(ax, name, title, ylabel, data)
+        out[name] = (ax.get_title(), ax.get_legend_handles_labels()[1])
+        plt.close(fig)
+    return out
+
+
+def test_memory_panels_draw_each_phases_peak_against_the_plan(tmp_path):
+    """A GPU run's keys: the plan's figures in the first record (mcore_rl.train logs plan.metrics()
+    with the first sync), each phase's peaks (PhaseMonitor's keys) in every step's."""
+    from mcore_rl.config.sections import load_config
+    from mcore_rl.memory.planner import PHASES, GiB
+    from mcore_rl.memory.plan import plan_for_config
+
+    plan, _ = plan_for_config(load_config(os.path.join(ROOT, "configs", "tiny_gpu.yaml")), 141 * GiB)
+    with MetricsLogger(str(tmp_path), ["jsonl"]) as log:
+        log.log({"sync/seconds": 0.1, **plan.metrics()}, step=0)
+        for step in (1, 2, 3):
+            peaks = {f"memory/{what}_peak_gib_{ph}": step + i for i, ph in enumerate(PHASES) for what in ("gpu", "host_rss")}
+            log.log({**peaks, "memory/gpu_at_peak_gib_train_trainer": 0.5}, step=step)
+    panels = drawn(load_metrics(str(tmp_path / "metrics.jsonl")))
+    assert panels["gpu_memory"][0] == "GPU memory per phase: peak, dashed: the plan"
+    assert sorted(panels["gpu_memory"][1]) == sorted([f"{ph} peak" for ph in PHASES] + [f"gpu_gib_{ph}" for ph in PHASES]
+                                                     + ["gpu_capacity_gib"])
+    assert panels["host_memory"] == ("Host memory per phase: RSS peak, dashed: the plan",
+                                     sorted(f"{ph} peak" for ph in PHASES) + ["host_gib"])
 
 
 # a CPU run measures no GPU memory: every other panel is drawn for the README job
@@ -126,6 +162,12 @@ def check_readme_job_plots(run_dir: str) -> None:
     series = load_metrics(os.path.join(run_dir, "metrics.jsonl"))
     assert {"rollout", "to_train", "update", "to_rollout", "sync"} <= set(phase_times(series))
     assert {"response/length", "response/length_max", "response/length_min"} <= set(series)
+    panels = drawn(series)  # what each panel shows: one line per distinct quantity, every phase
+    assert panels["reward"][1] == ["reward/mean = critic/rewards/mean = critic/score/mean", "val/reward"]
+    assert panels["length"][1] == ["response/length", "response/length_max", "response/length_min"]
+    assert {"rollout", "to_train", "update", "to_rollout", "sync"} <= set(panels["timing"][1])
+    assert panels["host_memory"] == ("Host memory per phase: RSS peak, no plan in this run",
+                                     ["rollout peak", "save peak", "sync peak", "train peak"])
     out = os.path.join(run_dir, "plots_cli")
     proc = subprocess.run([sys.executable, "-m", "mcore_rl.metrics.plot", run_dir, "--out", out], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
