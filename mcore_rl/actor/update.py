@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from mcore_rl.loop import micro_batches as mb
-from mcore_rl import pipeline
+from mcore_rl.loop import schedule
 from mcore_rl.parallel import optimizer as optim
 from mcore_rl.actor.logprobs import token_logprobs
 
@@ -88,7 +88,7 @@ class Update:
         totals: dict[str, torch.Tensor] = {}
         routes = self._routes_hook(model, packs, replay=True, record=False) \
             if self.cfg["actor"]["routing_replay"] else None
-        for stats in pipeline.forward_backward(model, packs, loss_and_stats, tp_gather=model is not self.critic,
+        for stats in schedule.forward_backward(model, packs, loss_and_stats, tp_gather=model is not self.critic,
                                                before_forward=routes):
             for key, v in stats.items():
                 totals[key] = totals.get(key, 0.0) + v
