@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable
 
 from mcore_rl.preflight.bad_input import BadInput, ConfigError, hf_config, suggest
 from mcore_rl.models.checks import hf_config_problems, num_experts
+from mcore_rl.models.families import DIRECT_LOAD_TYPES, family_of
 
 if TYPE_CHECKING:  # the sections it checks; mcore_rl.config.sections imports this module for load_config
     from mcore_rl.config.sections import Config, ModelConfig
@@ -250,14 +251,10 @@ def _check_vllm(cfg: Config, errors: list[str], hf: dict | None) -> None:
 
 
 def _check_sglang(errors: list[str], hf: dict | None) -> None:
-    """Models SGLang's own classes build differently from the checkpoint."""
-    if hf and hf.get("model_type") == "qwen3_moe" and (hf.get("mlp_only_layers") or
-                                                        (hf.get("decoder_sparse_step") or 1) != 1):
-        # sglang/srt/models/qwen3_moe.py: "Qwen3MoE all layers are sparse" (0.5.20); it would build
-        # experts where the checkpoint has a dense MLP
-        errors.append("SGLang's Qwen3MoeForCausalLM makes every layer sparse; this model has dense layers "
-                      f"(mlp_only_layers={hf.get('mlp_only_layers')}, decoder_sparse_step="
-                      f"{hf.get('decoder_sparse_step')}): use rollout.engine=embedded")
+    """Models SGLang's own classes build differently from the checkpoint (each family says which)."""
+    family = family_of(hf.get("model_type")) if hf else None
+    if family is not None:
+        errors.extend(family.sglang_problems(hf))
 
 
 def _check_moe_config_dir(cfg: Config, errors: list[str]) -> None:
@@ -354,9 +351,6 @@ def _check_fp8(cfg: Config, errors: list[str], hf: dict | None) -> None:
                       fp8_misfits(HFModel.from_dict(hf), EngineLayout(tp, cfg.rollout.ep_size, 1, tp)))
 
 
-DIRECT_LOAD_FAMILIES = ("qwen2", "qwen3_moe", "glm4_moe")
-
-
 def _check_direct_load(cfg: Config, errors: list[str], hf: dict | None) -> None:
     """rollout.sync_load=direct: SGLang over ipc, models SGLang derives nothing from after loading."""
     r = cfg.rollout
@@ -369,9 +363,9 @@ def _check_direct_load(cfg: Config, errors: list[str], hf: dict | None) -> None:
     if r.weight_dtype != "bf16":
         errors.append("rollout.sync_load=direct loads bf16 weights; SGLang processes FP8 ones after loading "
                       "(use sync_load: sglang)")
-    if hf is not None and hf.get("model_type") not in DIRECT_LOAD_FAMILIES:
+    if hf is not None and hf.get("model_type") not in DIRECT_LOAD_TYPES:
         errors.append(f"rollout.sync_load=direct is checked against SGLang's loader for "
-                      f"{', '.join(DIRECT_LOAD_FAMILIES)} (tests/e2e/test_sglang_sync.py), not {hf.get('model_type')} "
+                      f"{', '.join(DIRECT_LOAD_TYPES)} (tests/e2e/test_sglang_sync.py), not {hf.get('model_type')} "
                       "(MLA: SGLang derives absorbed weights after loading); use sync_load: sglang")
 
 

@@ -112,7 +112,7 @@ class RolloutConfig(Section):
     sync_load: Literal["sglang", "direct"] = Field("sglang", description=(
         "how an SGLang engine takes a synced bucket over ipc. sglang: its model's load_weights. direct: copied "
         "straight into its parameters by the read-back's placement table (mcore_rl.sync.engine_layout.load_direct), "
-        "without SGLang's per-tensor name matching; qwen2, qwen3_moe and glm4_moe in bf16 (SGLang derives state from MLA and FP8 weights)"))
+        "without SGLang's per-tensor name matching; qwen3_moe, glm4_moe and qwen2 in bf16 (SGLang derives state from MLA and FP8 weights)"))
     verify_sync_every: int = Field(0, ge=0, description=(
         "read the engines back after the first sync and every N steps (0: first only)"))
     verify_logprob_tol: float = Field(1e-3, gt=0, description=(

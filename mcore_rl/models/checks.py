@@ -8,7 +8,9 @@ here reads: the model is built without them, so they are named in a warning, nev
 
 from __future__ import annotations
 
-SUPPORTED = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "glm4_moe", "llama", "qwen2", "qwen3")
+from mcore_rl.models.families import FAMILY_DEFAULTS
+
+SUPPORTED = tuple(FAMILY_DEFAULTS)  # every model_type a family declares (mcore_rl.models.families)
 MLA = ("deepseek_v3", "deepseek_v2")
 
 # every model needs these; a config.json must carry them (an embedded hf_config may leave them to
@@ -44,29 +46,8 @@ INERT_KEYS = {
 }
 
 
-# What each family takes for a key its config.json leaves out: transformers' config class for the
-# model_type (which SGLang and vLLM load too), else the engine's own getattr default; the model
-# builder, checks and mappings read every such key through these (HFModel.get, with_defaults), so
-# the trainer and the engines build one model from one file. tests/unit checks every entry against
-# transformers' classes and SGLang's model code.
-_DENSE = dict(rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=1.0, attention_bias=False,
-              tie_word_embeddings=False, initializer_range=0.02)
-FAMILY_DEFAULTS = {
-    "deepseek_v3": dict(_DENSE, n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3,
-                        moe_layer_freq=1, norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4,
-                        n_shared_experts=1, q_lora_rank=1536),
-    "deepseek_v2": dict(_DENSE, n_routed_experts=64, first_k_dense_replace=0, moe_layer_freq=1,
-                        norm_topk_prob=False, routed_scaling_factor=1.0, topk_method="greedy", n_shared_experts=2,
-                        q_lora_rank=1536),
-    "qwen3_moe": dict(_DENSE, num_experts=128, num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1,
-                      mlp_only_layers=[]),
-    "glm4_moe": dict(_DENSE, rms_norm_eps=1e-5, partial_rotary_factor=0.5, n_routed_experts=128, num_experts_per_tok=8,
-                     first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=1.0, n_group=1, topk_group=1,
-                     n_shared_experts=1, use_qk_norm=False),
-    "llama": dict(_DENSE),
-    "qwen2": dict(_DENSE),
-    "qwen3": dict(_DENSE, head_dim=128),
-}
+# What each family takes for a key its config.json leaves out: declared with the family
+# (mcore_rl.models.families), read here through with_defaults and by HFModel.get.
 
 
 # another name for the same key (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.preflight.bad_input import BadInput, hf_config
-from mcore_rl.models.checks import FAMILY_DEFAULTS, hf_config_problems, num_experts, unknown_type
+from mcore_rl.models.checks import hf_config_problems, num_experts, unknown_type
+from mcore_rl.models.families import FAMILY_DEFAULTS
 
 
 class UnsupportedModelError(BadInput):
@@ -54,7 +55,7 @@ class HFModel:
         raise AttributeError(item)
 
     def get(self, key, default=None):
-        """The config's value, else the family's default (mcore_rl.models.checks.FAMILY_DEFAULTS), else `default`."""
+        """The config's value, else the family's default (mcore_rl.models.families), else `default`."""
         if key in self.cfg:
             return self.cfg[key]
         return FAMILY_DEFAULTS[self.model_type].get(key, default)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mcore_rl.models.config import HFModel
+from mcore_rl.models.families import family_of
 from mcore_rl.sync import fp8
 from mcore_rl.sync.bucket import unflatten
 from mcore_rl.sync.checksum import digest
@@ -191,7 +192,7 @@ def keeps_fp32(name: str, hf) -> bool:
     fp32: the expert bias (fp32 in HF, megatron and SGLang alike) and GLM-4.5's router weight where
     SGLang's Glm4MoeGate is an fp32 parameter (`sglang_gate_is_fp32`)."""
     return name.endswith("e_score_correction_bias") or (
-        hf.model_type == "glm4_moe" and name.endswith(".mlp.gate.weight") and sglang_gate_is_fp32())
+        family_of(hf.model_type).fp32_router and name.endswith(".mlp.gate.weight") and sglang_gate_is_fp32())
 
 
 @functools.cache

@@ -528,7 +528,7 @@ def test_a_direct_load_copies_each_layers_experts_at_once(engine, rank_of):
 
 
 def test_every_family_the_direct_load_accepts_is_checked_here():
-    from mcore_rl.config.checks import DIRECT_LOAD_FAMILIES
+    from mcore_rl.models.families import DIRECT_LOAD_TYPES
 
     direct = [fam for fam, *_, kind in CASES.values() if kind == "direct"]
-    assert all(any(fam.startswith(f) for fam in direct) for f in DIRECT_LOAD_FAMILIES), (direct, DIRECT_LOAD_FAMILIES)
+    assert all(any(fam.startswith(f) for fam in direct) for f in DIRECT_LOAD_TYPES), (direct, DIRECT_LOAD_TYPES)

@@ -292,8 +292,8 @@ def test_direct_sync_load_is_refused_where_sglang_derives_state_or_no_ipc_runs()
     qwen3 = ["rollout.sync_load=direct", *QWEN3_MOE_TINY]
     assert load_config(tiny, qwen3).rollout.sync_load == "direct"
     for overrides, line in (
-            (["rollout.sync_load=direct"], "rollout.sync_load=direct is checked against SGLang's loader for qwen2, "
-                                           "qwen3_moe, glm4_moe (tests/e2e/test_sglang_sync.py), not deepseek_v3 (MLA: "
+            (["rollout.sync_load=direct"], "rollout.sync_load=direct is checked against SGLang's loader for qwen3_moe, "
+                                           "glm4_moe, qwen2 (tests/e2e/test_sglang_sync.py), not deepseek_v3 (MLA: "
                                            "SGLang derives absorbed weights after loading); use sync_load: sglang"),
             ([*qwen3, *BROADCAST], "rollout.sync_load=direct needs SGLang over the ipc transport (colocated), "
                                    "not sglang over broadcast"),

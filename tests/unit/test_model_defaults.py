@@ -1,5 +1,5 @@
 """Model defaults agree with transformers and SGLang, family by family (issue 50): for every key a
-config.json may leave out, the value the model builder takes (mcore_rl.models.checks.FAMILY_DEFAULTS
+config.json may leave out, the value the model builder takes (mcore_rl.models.families, FAMILY_DEFAULTS
 through HFModel) equals what transformers' config class for the model_type gives and, where that
 class has no such attribute, what SGLang's model code falls back to. Both read from the installed
 libraries, never restated here."""
@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from mcore_rl.models.checks import FAMILY_DEFAULTS, SUPPORTED
+from mcore_rl.models.checks import SUPPORTED
+from mcore_rl.models.families import FAMILY_DEFAULTS
 from mcore_rl.models.config import HFModel
 from tests.support.tiny_models import FAMILIES
 
@@ -113,3 +114,23 @@ def test_a_config_leaving_defaults_out_builds_what_transformers_writes_of_it(fam
         return {**rope, **{f.name: getattr(t, f.name) for f in dataclasses.fields(t) if not callable(getattr(t, f.name))}}
 
     assert built(cfg) == built(written), (family, sorted(set(FAMILIES[family][1]) - set(cfg)))
+
+
+def test_each_family_is_one_module_declaring_its_mapping_defaults_and_engine_rules():
+    """Issue 48: a family's mapping, defaults and engine rules sit together, one module per family, and
+    every reader (mapping_for, the defaults, the direct-load and fp32-router rules) takes them from there."""
+    import importlib
+    import pkgutil
+
+    from mcore_rl.models import families
+    from mcore_rl.models.mappings import MAPPINGS
+
+    shared = {"family", "mapping", "rules"}
+    modules = [m.name for m in pkgutil.iter_modules(families.__path__) if m.name not in shared]
+    declared = [importlib.import_module(f"mcore_rl.models.families.{m}").FAMILY for m in modules]
+    assert sorted(f.mapping.name for f in declared) == sorted(f.mapping.name for f in families.FAMILIES)
+    assert [f.mapping for f in families.FAMILIES] == list(MAPPINGS)
+    assert sorted(t for f in families.FAMILIES for t in f.mapping.model_types) == sorted(SUPPORTED)
+    assert set(families.DIRECT_LOAD_TYPES) == {"qwen2", "qwen3_moe", "glm4_moe"}
+    assert [f.mapping.name for f in families.FAMILIES if f.fp32_router] == ["glm4_moe"]
+    assert families.family_of("qwen3_moe").sglang_problems({"model_type": "qwen3_moe", "mlp_only_layers": [0]})

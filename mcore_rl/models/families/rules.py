@@ -1,8 +1,9 @@
-"""The mappings, one per architecture family. Names only; shapes come from the configs."""
+"""The rule pieces the families' mappings share (names only; shapes come from the configs), the
+predicates that pick a rule per layer, and the dense families' defaults every family starts from."""
 
 from __future__ import annotations
 
-from mcore_rl.models.mappings.base import GLU_, QKV_, Mapping, Rule
+from mcore_rl.models.families.mapping import GLU_, QKV_, Rule
 
 L = "decoder.layers.{L}."
 H = "model.layers.{L}."
@@ -86,30 +87,11 @@ GQA_ATTENTION = (
     Rule(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"),
 )
 
-DEEPSEEK = Mapping(
-    name="deepseek",
-    model_types=("deepseek_v3", "deepseek_v2"),
-    pre=PRE,
-    layer=NORMS + (
-        Rule(L + "self_attention.linear_q_down_proj.weight", H + "self_attn.q_a_proj.weight", when=q_lora),
-        Rule(L + "self_attention.q_layernorm.weight", H + "self_attn.q_a_layernorm.weight", when=q_lora),
-        Rule(L + "self_attention.linear_q_up_proj.weight", H + "self_attn.q_b_proj.weight", when=q_lora),
-        Rule(L + "self_attention.linear_q_proj.weight", H + "self_attn.q_proj.weight", when=no_q_lora),
-        Rule(L + "self_attention.linear_kv_down_proj.weight", H + "self_attn.kv_a_proj_with_mqa.weight"),
-        Rule(L + "self_attention.kv_layernorm.weight", H + "self_attn.kv_a_layernorm.weight"),
-        Rule(L + "self_attention.linear_kv_up_proj.weight", H + "self_attn.kv_b_proj.weight"),
-        Rule(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight"),
-    ) + DENSE_MLP + MOE_MLP,
-    post=POST,
-)
 
-# Qwen3-MoE: GQA with q/k norms, softmax-routed experts, no shared expert, dense layers anywhere
-QWEN3_MOE = Mapping(name="qwen3_moe", model_types=("qwen3_moe",), pre=PRE,
-                    layer=NORMS + GQA_ATTENTION + DENSE_MLP + MOE_MLP, post=POST)
-
-# GLM-4.5: GQA with q/k/v bias (and optional q/k norms), DeepSeek-V3's routed + shared experts
-GLM4_MOE = Mapping(name="glm4_moe", model_types=("glm4_moe",), pre=PRE,
-                   layer=NORMS + GQA_ATTENTION + DENSE_MLP + MOE_MLP, post=POST)
-
-DENSE = Mapping(name="dense", model_types=("llama", "qwen2", "qwen3"), pre=PRE,
-                layer=NORMS + GQA_ATTENTION + DENSE_MLP, post=POST)
+# What a config.json may leave out, per family (transformers' config class for the model_type, which
+# SGLang and vLLM load too, else the engine's own getattr default); each family adds its own. The model
+# builder, checks and mappings read every such key through these (HFModel.get, with_defaults), so the
+# trainer and the engines build one model from one file; tests/unit/test_model_defaults.py checks
+# every entry against transformers' classes and SGLang's model code.
+DENSE_DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=1.0, attention_bias=False,
+                      tie_word_embeddings=False, initializer_range=0.02)

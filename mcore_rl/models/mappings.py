@@ -1,10 +1,11 @@
-"""One declarative mapping per architecture; `mapping_for` picks it from an HF config."""
+"""The declarative HF <-> Megatron mappings (`base`), one per architecture family (declared with the
+family in `mcore_rl.models.families`); `mapping_for` picks it from an HF config."""
 
-from mcore_rl.models.mappings.architectures import DEEPSEEK, DENSE, GLM4_MOE, QWEN3_MOE
-from mcore_rl.models.mappings.base import Mapping, Param, Rule
+from mcore_rl.models.families import FAMILIES
+from mcore_rl.models.families.mapping import Mapping, Param, Rule
 from mcore_rl.models.config import HFModel, UnsupportedModelError
 
-MAPPINGS = (DEEPSEEK, QWEN3_MOE, GLM4_MOE, DENSE)
+MAPPINGS = tuple(f.mapping for f in FAMILIES)
 
 
 def mapping_for(m: HFModel) -> Mapping:

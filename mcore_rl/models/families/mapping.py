@@ -9,13 +9,14 @@ Megatron->SGLang weight sync, the merger) expands the same list for a concrete c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-import torch
+if TYPE_CHECKING:  # annotations only: the families' records import this module, and the config command
+    import torch  # reads their defaults without importing torch (the transforms import it when they run)
 
-from mcore_rl.models.config import HFModel
+    from mcore_rl.models.config import HFModel
 
-Pred = Callable[[HFModel, int], bool]
+Pred = Callable[["HFModel", int], bool]
 
 
 def always(m: HFModel, layer: int) -> bool:
@@ -41,10 +42,12 @@ class GLU(Transform):
     name = "glu"
 
     def to_mcore(self, m, tensors):
+        import torch
+
         return torch.cat(tensors, dim=0)
 
     def to_hf(self, m, t):
-        return tuple(torch.chunk(t, 2, dim=0))
+        return tuple(t.chunk(2, dim=0))
 
 
 class QKV(Transform):
@@ -58,6 +61,8 @@ class QKV(Transform):
         return g, m.num_attention_heads // g * d, d
 
     def to_mcore(self, m, tensors):
+        import torch
+
         g, qd, d = self._dims(m)
         q, k, v = tensors
         tail = q.shape[1:]
