@@ -171,7 +171,7 @@ def select_panels(series: Series) -> dict[str, tuple[str, str, Series]]:
             data = distinct({k: data[k] for k in REWARD_KEYS if k in data})
         measured = phase_times(data) if name == "timing" else \
             {k: v for k, v in data.items() if not k.startswith("plan/")}  # a plan alone is no reading
-        if name in ("host_memory", "gpu_memory"):  # CPU runs make no plan (mcore_rl.train.memory_plan)
+        if name in ("host_memory", "gpu_memory"):  # CPU runs make no plan (mcore_rl.loop.startup.memory_plan)
             title += ", no plan in this run" if len(measured) == len(data) else ", dashed: the plan"
         if measured:
             panels[name] = (title, ylabel, data)

@@ -55,7 +55,7 @@ def test_fully_async_conversations_killed_mid_run_resume_each_step_once(tmp_path
 
     from mcore_rl.config import sections as C
     from mcore_rl.data.prompts import load_prompt_sources
-    from mcore_rl.train import step_prompts
+    from mcore_rl.loop.sources import step_prompts
     from tests.support.sync_checks import BROADCAST, ROOT
     from tests.support.traced_env import open_conversations
 
