@@ -524,7 +524,7 @@ def export_checkpoint(model, step_dir: str, out: str) -> dict:
     size = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out) if n.endswith(".safetensors"))
     print(f"export: {size / 2**30:.2f} GiB of safetensors in {seconds:.1f} s, converter peak RSS {peak / 2**30:.2f} GiB",
           flush=True)
-    return {"dir": out, "seconds": round(seconds, 1), "gib": round(size / 2**30, 2), "peak_rss_gib": round(peak / 2**30, 2)}
+    return {"seconds": round(seconds, 1), "gib": round(size / 2**30, 2), "peak_rss_gib": round(peak / 2**30, 2)}
 
 
 def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[int], out: str) -> None:
@@ -647,8 +647,8 @@ def hidden_gap_main(argv: list[str]) -> int:
     hf, model = trainer_model(cfg, gpu)
     exported = {}
     if a.checkpoint:
-        exported = export_checkpoint(model, a.checkpoint, os.path.join(work, "hf"))
-        model_dir = exported.pop("dir")
+        model_dir = os.path.join(work, "hf")
+        exported = export_checkpoint(model, a.checkpoint, model_dir)
     else:
         model_dir = export(cfg, model, work)
     engine_dir = engine_model_dir(model_dir, os.path.join(work, "engine_hf"), [], cfg.cluster.device)

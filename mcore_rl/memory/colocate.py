@@ -3,7 +3,8 @@
     to_train():   engine releases kv_cache, weights, cuda_graph -> trainer onloads its states
     to_rollout, in two halves with the checkpoint between them (written from host copies):
       offload():  trainer offloads all but its weights -> engine resumes weights -> weights are
-                  synced -> trainer offloads its weights
+                  synced -> trainer offloads its weights (states kept on the GPU, where the plan says
+                  they fit beside the engine: only the grads are freed, before, and back in to_train)
       resume():   engine resumes kv_cache, cuda_graph
 
 Weights come back before the KV cache so the sync never competes with the KV pool for
@@ -106,8 +107,8 @@ class Colocation:
     def offload(self, before_sync: Callable[[], None] | None = None, **sync_kwargs):
         """to_rollout's first half: the trainer's states to the host, around the engine's weights
         coming back and the sync (which reads the trainer's weights on the GPU); returns what the
-        sync returned. What runs next (a checkpoint) finds every trainer state on the host and the
-        KV cache still released. `before_sync` runs once the trainer's other states are offloaded."""
+        sync returned. What runs next (a checkpoint) finds every trainer state on the host (or kept on
+        the GPU) and the KV cache still released. `before_sync` runs once the trainer's other states are offloaded."""
         if self.phase != "train":
             raise RuntimeError(f"to_rollout's offload() called in phase {self.phase!r}")
         if self.offload_train_states:

@@ -28,11 +28,14 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
     """The plan of a validated Config, host memory included; raises MemoryPlanError when it cannot fit.
     memory.offload_train_states auto: the trainer's states stay on the GPUs if that plan fits with KV
     for the whole step's sequences in each engine, else the plan offloads them."""
+    source = "given"
+    if capacity is None:  # read once: an auto choice plans twice on the same GPUs
+        capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
     if cfg.memory.offload_train_states != "auto":
-        return _plan(cfg, capacity)
+        return _plan(cfg, capacity), source
     need = rollout_tokens_per_engine(cfg)
     try:
-        plan, source = _plan(_offloading(cfg, False), capacity)
+        plan = _plan(_offloading(cfg, False), capacity)
         why = f"they fit beside the engine, with KV for the step's {need:,} tokens an engine"
         if plan.kv_tokens >= need:
             plan.notes.insert(1, f"trainer states: kept on the GPUs while the engine runs (picked: {why})")
@@ -40,7 +43,7 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
         why = f"kept, the KV cache would hold {plan.kv_tokens:,} of the step's {need:,} tokens an engine"
     except MemoryPlanError as e:
         why = f"kept, {str(e).splitlines()[0]}"
-    plan, source = _plan(_offloading(cfg, True), capacity)
+    plan = _plan(_offloading(cfg, True), capacity)
     plan.notes.insert(1, f"trainer states: offloaded to the host while the engine runs (picked: {why})")
     return plan, source
 
@@ -58,10 +61,7 @@ def _offloading(cfg, offload: bool):
     return out
 
 
-def _plan(cfg, capacity: int | None) -> tuple[Plan, str]:
-    source = "given"
-    if capacity is None:
-        capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
+def _plan(cfg, capacity: int) -> Plan:
     dims = hf_model_dims(cfg.model)
     if dims is None:
         where = f" ({cfg.model.hf_path}/config.json does not exist)" if cfg.model.hf_path else ""
@@ -82,7 +82,7 @@ def _plan(cfg, capacity: int | None) -> tuple[Plan, str]:
                                     budget=budget, modes=modes, min_budget=seq, name=name, refused_plan=with_host)
     plan = with_host(hf, inputs)
     plan.notes.insert(0, line)
-    return plan, source
+    return plan
 
 
 def apply_choice(cfg, plan: Plan) -> None:

@@ -398,7 +398,7 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
     worst_train = max(range(i.pp), key=lambda s: sum(stages[s].values()))
     worst_rest = max(range(i.pp), key=lambda s: sum(stages[s][k] for k in states))
     train, rest = stages[worst_train], stages[worst_rest]
-    # kept states: the grads are freed all the same (Colocation.to_rollout), the rest stays
+    # kept states: the grads are freed all the same (Colocation.offload), the rest stays
     residue = {} if i.offload_train_states else {**{k: rest[k] for k in states if k != "megatron grads"},
                                                   "trainer cache (kept states)": KEPT_STATES_SLACK}
     always = {"reserved (contexts, NCCL)": i.reserved}
