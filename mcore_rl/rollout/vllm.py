@@ -138,6 +138,7 @@ class VLLMServer:
         os.environ["TMPDIR"] = tempfile.tempdir = self.tmp
         import vllm
 
+        jit_cache.share_inductor_headers()  # TMPDIR above would keep them in self.tmp, for this engine only
         self.version, self.device = vllm.__version__, device
         t0 = time.perf_counter()
         engine_start.mark(f"starting vLLM {self.version}'s engine: model, KV cache"
