@@ -48,3 +48,19 @@ def apply(cache_dir: str | None) -> dict[str, str]:
         os.makedirs(path, exist_ok=True)
     os.environ.update(env)
     return env
+
+
+def share_inductor_headers() -> None:
+    """torch inductor keeps its precompiled headers (a g++ run of seconds in each process that compiles)
+    under tempfile's directory, whatever TORCHINDUCTOR_CACHE_DIR says: a process that was given a TMPDIR
+    of its own (vLLM's engine actor) links that directory's inductor folder to the cache, so the
+    headers are compiled once per node rather than at each engine start."""
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not cache:
+        return
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    here = default_cache_dir()
+    if not os.path.lexists(here):
+        os.makedirs(cache, exist_ok=True)
+        os.symlink(cache, here)

@@ -99,6 +99,8 @@ def engine_env(cfg, layout: EngineLayout) -> dict:
         cores = os.cpu_count() or 1
         binds = "|".join(str(i % cores) for i in range(layout.tp_size))
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind" if layout.tp_size == 1 else binds)
+        if layout.tp_size == 1:  # its one rank in the actor's process: no engine core and worker to start
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (they imported vLLM and torch again: 22 CPU-s)
     return env
 
 
@@ -138,6 +140,7 @@ class VLLMServer:
         os.environ["TMPDIR"] = tempfile.tempdir = self.tmp
         import vllm
 
+        jit_cache.share_inductor_headers()  # TMPDIR above would keep them in self.tmp, for this engine only
         self.version, self.device = vllm.__version__, device
         t0 = time.perf_counter()
         engine_start.mark(f"starting vLLM {self.version}'s engine: model, KV cache"

@@ -184,7 +184,7 @@ def engine_processes(group) -> list[psutil.Process]:
     return [psutil.Process(p) for ps in pids for p in ps if psutil.pid_exists(p)]
 
 
-def check_hung_and_killed(ray, group, victims: list[psutil.Process], label: str, timeout_s: int = 20):
+def check_hung_and_killed(ray, group, victims: list[psutil.Process], label: str, timeout_s: int = 10):
     """SIGSTOP `victims` (a hung engine): generate fails at the deadline (`timeout_s`, the driver's
     rollout.timeout_s, which the group reads at each call); then SIGKILL them mid-rollout (a dead
     one): an EngineError naming the engine, well before the deadline. Afterwards no engine process
