@@ -31,7 +31,6 @@ from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
 from mcore_rl.sync.plan import single_source
 
 TRAINER_GPU_SHARE, ENGINE_GPU_SHARE = 0.8, 0.2  # colocated: both on every GPU bundle
-LABELS = {"sglang": "SGLang", "vllm": "vLLM"}
 
 
 def launch(cfg: C.Config, hf_dir: str, run_dir: str, actors, stop_ids: list[int], pad_id: int = 0, plan=None):
@@ -57,7 +56,7 @@ class Launching:
     def __init__(self, cfg: C.Config, hf_dir: str, run_dir: str, pg, stop_ids: list[int], pad_id: int = 0,
                  plan=None, console=None):
         self.cfg, self.run_dir, self.pad_id = cfg, run_dir, pad_id
-        self.rollout = self.group = self.reporter = None
+        self.group = self.reporter = None
         self.closed = False
         if cfg.rollout.engine == "embedded":
             return
@@ -81,8 +80,7 @@ class Launching:
         if not placement.colocate:  # their own GPUs: nothing of the trainer's to wait for
             self.group.start()
         if console is not None:
-            name = (f"starting the {cfg.rollout.engine} engines' processes and importing "
-                    f"{LABELS[cfg.rollout.engine]}")
+            name = f"starting the {cfg.rollout.engine} engines' processes and importing {self.group.label}"
             self.reporter = threading.Thread(target=self._report_imports, args=(console, name, t0), daemon=True,
                                              name="mcore_rl-engine-imports")
             self.reporter.start()
@@ -100,8 +98,7 @@ class Launching:
         """The rollout: the engines built (colocated: on the GPUs of the trainer's `actors`, which
         must hold no more than the memory plan's rollout phase gives them by now) and started."""
         if self.group is None:
-            self.rollout = EmbeddedRollout(actors, self.pad_id)
-            return self.rollout
+            return EmbeddedRollout(actors, self.pad_id)
         self.where = actors.call("where")
         if self.placement.colocate:
             _check_bundles(self.bundles, self.where)
@@ -111,8 +108,7 @@ class Launching:
         finally:
             if self.reporter is not None:  # its line before the engines' own
                 self.reporter.join(timeout=5)
-        self.rollout = self.group
-        return self.rollout
+        return self.group
 
     def weight_sync(self, actors):
         """The weight sync from the trainer's `actors` into the started engines (None: the embedded
