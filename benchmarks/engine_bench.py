@@ -549,7 +549,8 @@ def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[
     env = S.engine_env(cfg, layout)
     if cfg.cluster.jit_cache_dir:
         env[jit_cache.DIR_ENV] = cfg.cluster.jit_cache_dir
-    server = S.SGLangServer(args, cfg.cluster.device, gpus, env)
+    server = S.SGLangServer(cfg.cluster.device, gpus, env)
+    server.start(args)
     try:
         path = os.path.join(os.path.dirname(out), "engine_hidden", "h")
         server.engine.collective_rpc("mcore_rl_capture_hidden", path=path, tokens=len(tokens))

@@ -8,6 +8,7 @@ KV cache, the trainer onloads and trains, offloads, and the engine resumes and i
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -23,13 +24,14 @@ from mcore_rl.loop.groups import ActorGroup, trainer_placement
 from mcore_rl.loop.phases import Phases
 from mcore_rl.loop.progress import PROGRESS, stop_on_signals
 from mcore_rl.loop.sources import BatchSource, batch_source, total_steps
-from mcore_rl.loop.startup import initial_checkpoints, load_checkpoint, memory_plan, prepare_model, start_ray
+from mcore_rl.loop.startup import (initial_checkpoints, load_checkpoint, memory_plan, model_config_text,
+                                   prepare_model, start_ray)
 from mcore_rl.loop.step import StepClock, advantages, generate, log_probs, update, validate
 from mcore_rl.loop.step_batch import correction_line, kl_controller, stop_ids
 from mcore_rl.metrics.logger import MetricsLogger
 from mcore_rl.metrics.plot import plot_run
 from mcore_rl.preflight.inputs import check_inputs
-from mcore_rl.rollout.launch import launch
+from mcore_rl.rollout.launch import Launching
 from mcore_rl.checkpoint.steps import Checkpointer
 from mcore_rl.preflight.run_dir import RunLock
 
@@ -43,29 +45,34 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None, stop_on_signal:
     run_dir = os.path.abspath(cfg.trainer.output_dir)
     plan = memory_plan(cfg)
     start_console = StartConsole()  # a line per start-up phase, with its seconds
-    with start_console.phase("starting Ray, placing the trainer"):
-        start_ray(cfg)
-        if stop_on_signal:
-            stop_on_signals()  # after Ray's start: its handler would print a native stack dump on SIGTERM
-        pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
+    with concurrent.futures.ThreadPoolExecutor(1) as beside_ray:
+        config_text = beside_ray.submit(model_config_text, cfg)  # written once the run holds its directory
+        with start_console.phase("starting Ray, placing the trainer"):
+            start_ray(cfg)
+            if stop_on_signal:
+                stop_on_signals()  # after Ray's start: its handler would print a native stack dump on SIGTERM
+            pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
     os.makedirs(run_dir, exist_ok=True)
     with RunLock(run_dir):  # a second run in this directory is refused while this one lives
-        return _train_in(cfg, run_dir, pg, plan, train_task, val_task, replay, start_console)
+        return _train_in(cfg, run_dir, pg, plan, train_task, val_task, replay, start_console, config_text)
 
 
 def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, replay: str | None,
-              start_console) -> dict:
+              start_console, config_text) -> dict:
     t = cfg.trainer
     ckpt_root = os.path.join(run_dir, "checkpoints")
     PROGRESS.update(ckpt_root=ckpt_root, step=None, done=None)
     written = contextlib.nullcontext() if cfg.model.hf_path else start_console.phase("writing the model's config")
     with written:
-        hf_dir = prepare_model(cfg, run_dir)
+        hf_dir = prepare_model(cfg, run_dir, config_text.result())
     init = initial_checkpoints(cfg, hf_dir, run_dir, start_console)
-    group = ActorGroup(cfg, hf_dir, init, pg, start_console)
-    ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)
     engine = source = sync = phases = None
+    # the engines' processes start and import SGLang or vLLM now, while the trainer builds
+    launching = None if replay else Launching(cfg, hf_dir, run_dir, pg, list(stop_ids(cfg, train_task.tokenizer)),
+                                              train_task.tokenizer.pad_token_id or 0, plan, start_console)
     try:
+        group = ActorGroup(cfg, hf_dir, init, pg, start_console)
+        ckpt = Checkpointer(ckpt_root, group, hf_dir, keep=t.max_checkpoints, background=t.async_save)
         start, state, resumed = 0, {}, run_ckpt.latest(ckpt_root) if t.resume == "auto" else None
         if resumed:
             start = resumed[0]
@@ -75,13 +82,13 @@ def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, repla
             print(f"resumed from {resumed[1]} (step {start})", flush=True)
         ckpt.clear_after(start)
         _truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), start)
-        if not replay:
-            if cfg.rollout.engine != "embedded" and cfg.cluster.colocate and cfg.memory.offload_train_states:
-                with start_console.phase("offloading the trainer's states"):
-                    group.call("offload_states")  # the engines start in the plan's rollout phase: trainer states on the host
+        if launching is not None:
+            _to_rollout_phase(cfg, group, start_console)  # where the engines' memory comes from
             with start_console.phase(f"starting the {cfg.rollout.engine} engines"):
-                engine, sync = launch(cfg, hf_dir, run_dir, group, list(stop_ids(cfg, train_task.tokenizer)),
-                                      train_task.tokenizer.pad_token_id or 0, plan)
+                engine = launching.start(group)
+            if cfg.rollout.engine != "embedded":
+                with start_console.phase("setting up the weight sync"):
+                    sync = launching.weight_sync(group)
         if correction_line(cfg):
             print(correction_line(cfg), flush=True)
         first = {}
@@ -104,6 +111,22 @@ def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, repla
             phases.mon.close()
         if engine is not None:
             engine.shutdown()
+        if launching is not None:  # engines that never got to start
+            launching.shutdown()
+
+
+def _to_rollout_phase(cfg: C.Config, group: ActorGroup, start_console) -> None:
+    """Colocated, the engines are built on the trainer's GPUs in the memory plan's rollout phase:
+    the trainer's states on the host, or (kept on the GPUs) its grads dropped, as each step's
+    to_rollout leaves them (loop.phases)."""
+    if cfg.rollout.engine == "embedded" or not cfg.cluster.colocate:
+        return
+    if cfg.memory.offload_train_states:
+        with start_console.phase("offloading the trainer's states"):
+            group.call("offload_states")
+    else:
+        with start_console.phase("dropping the trainer's grads"):
+            group.call("drop_grads")
 
 
 @contextlib.contextmanager

@@ -132,6 +132,7 @@ def importable(module: str) -> bool:
 
 
 START_PREFIX = "start: "
+PARALLEL = " (in parallel)"  # ends the name of a phase that ran beside the others
 _START_DONE = re.compile(r"^start: (.+?) (failed after )?(\d+\.\d) s$")
 _START_READY = re.compile(r"^start: ready for step (\d+) after (\d+\.\d) s$")
 STILL_RUNNING_S = 5.0  # a phase still running after this long says so (a compile, a slow load)
@@ -140,7 +141,9 @@ STILL_RUNNING_S = 5.0  # a phase still running after this long says so (a compil
 class StartConsole:
     """One line per start-up phase, `start: <phase> <seconds> s`, in the order they end; a phase
     running longer than `still_running_s` first prints `start: <phase> ...` (on a terminal that
-    line is replaced when the phase ends). `done()` ends with the total."""
+    line is replaced when the phase ends). A phase that ran beside the others (the engines'
+    processes importing their engine while the trainer builds) says so: `start: <phase> (in
+    parallel) <seconds> s` (`parallel`). `done()` ends with the total."""
 
     def __init__(self, stream=None, still_running_s: float = STILL_RUNNING_S):
         self.stream = stream or sys.stdout
@@ -149,13 +152,12 @@ class StartConsole:
         self.t0 = time.perf_counter()
         self.seconds: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._running = ""  # on a terminal: the running phase's line, shown without its end of line
 
     @contextlib.contextmanager
     def phase(self, name: str):
         t = time.perf_counter()
-        shown = []
-        timer = threading.Timer(self.still_running_s, lambda: shown.append(self._write(f"{START_PREFIX}{name} ...",
-                                                                                       end="" if self.tty else "\n")))
+        timer = threading.Timer(self.still_running_s, lambda: self._write(f"{START_PREFIX}{name} ...", running=True))
         timer.daemon = True
         timer.start()
         failed = True
@@ -164,32 +166,49 @@ class StartConsole:
             failed = False
         finally:
             timer.cancel()
-            seconds = time.perf_counter() - t
-            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-            back = "\r\x1b[K" if self.tty and shown else ""
-            self._write(f"{back}{START_PREFIX}{name} " + (f"failed after {seconds:.1f} s" if failed else f"{seconds:.1f} s"))
+            self._ended(name, time.perf_counter() - t, failed)
+
+    def parallel(self, name: str, seconds: float, failed: bool = False) -> None:
+        """The line of a phase that ran beside the others for `seconds` (timed by its caller)."""
+        self._ended(name + PARALLEL, seconds, failed, beside=True)
+
+    def _ended(self, name: str, seconds: float, failed: bool, beside: bool = False) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self._write(f"{START_PREFIX}{name} " + (f"failed after {seconds:.1f} s" if failed else f"{seconds:.1f} s"),
+                    beside=beside)
 
     def done(self, what: str = "ready for step 1") -> None:
         self._write(f"{START_PREFIX}{what} after {time.perf_counter() - self.t0:.1f} s")
 
-    def _write(self, text: str, end: str = "\n") -> bool:
+    def _write(self, text: str, running: bool = False, beside: bool = False) -> None:
+        """running: a phase's `...` line, which on a terminal stays open until the next line
+        replaces it; beside: a parallel phase's line, under which that open line shows again."""
         with self._lock:
-            self.stream.write(text + end)
+            again = self._running if beside else ""
+            if self._running:
+                self.stream.write("\r\x1b[K")
+            self.stream.write(text + ("" if running and self.tty else "\n"))
+            self._running = text if running and self.tty else again
+            if again:
+                self.stream.write(again)
             self.stream.flush()
-        return True
 
 
 def start_record(lines) -> dict:
     """A run's start-up as its console printed it (StartConsole's lines among any others):
-    {"phases": [[name, seconds], ...] in the order they ended, "failed": the phase that failed or
-    None, "ready_for_step": n, "ready_s": seconds from the first phase to then} (the last two None
-    when the run never got there)."""
-    out = {"phases": [], "failed": None, "ready_for_step": None, "ready_s": None}
+    {"phases": [[name, seconds], ...] in the order they ended, "parallel": the same of the phases
+    that ran beside those (their seconds overlap theirs; the names without PARALLEL), "failed": the
+    phase that failed or None, "ready_for_step": n, "ready_s": seconds from the first phase to
+    then} (the last two None when the run never got there)."""
+    out = {"phases": [], "parallel": [], "failed": None, "ready_for_step": None, "ready_s": None}
     for line in lines:
         line = line.rstrip("\n")
         if m := _START_READY.match(line):
             out["ready_for_step"], out["ready_s"] = int(m[1]), float(m[2])
         elif m := _START_DONE.match(line):
+            if m[1].endswith(PARALLEL):
+                out["parallel"].append([m[1][:-len(PARALLEL)], float(m[3])])
+                continue
             out["phases"].append([m[1], float(m[3])])
             out["failed"] = m[1] if m[2] else out["failed"]
     return out

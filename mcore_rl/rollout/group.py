@@ -129,7 +129,6 @@ class EngineSlot:
     pg: object  # the placement group (the trainer's when colocated, the engine's own otherwise)
     bundle: int
     gpus: str | None  # CUDA_VISIBLE_DEVICES for the engine's processes (physical ids); None: Ray's
-    gpu_uuids: tuple[str, ...] = ()  # in SGLang's order on that node
     owns_pg: bool = False  # the group was made for the engine: removed with it
 
 
@@ -140,14 +139,18 @@ class EngineGroup:
 
     def __init__(self, server_cls, slots: list[EngineSlot], args_of: Callable[[EngineSlot], dict], *,
                  device: str, tp_size: int, timeout_s: float, start_timeout_s: float, gpu_share: float,
-                 label: str, env: dict | None = None, log_dir: str | None = None):
-        """log_dir: each engine node's output goes to a file there (`engine_logs`), not to the console."""
+                 label: str, env: dict | None = None, log_dir: str | None = None, start: bool = True):
+        """An actor per slot, whose process starts and imports its engine at once (its constructor);
+        the engines themselves are built by `start` and `wait_started` (start: both, here).
+        args_of(slot): that engine node's arguments, asked for as it starts. log_dir: each engine
+        node's output goes to a file there (`engine_logs`), not to the console."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from mcore_rl.rollout.engine_logs import LOG_ENV, log_file
 
         self.ray, self.tp_size, self.timeout_s, self.label = ray, tp_size, timeout_s, label
+        self.start_timeout_s, self.args_of, self.log_dir = start_timeout_s, args_of, log_dir
         self.readback = server_cls.READBACK  # how a weight sync into these engines is verified
         self.slots = slots
         remote = ray.remote(server_cls)
@@ -157,18 +160,37 @@ class EngineGroup:
                         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=s.pg,
                                                                              placement_group_bundle_index=s.bundle))
             log = {LOG_ENV: log_file(log_dir, s.engine, s.node_rank)} if log_dir else {}
-            self.actors.append(remote.options(**opts).remote(args_of(s), device, s.gpus, {**(env or {}), **log}))
+            self.actors.append(remote.options(**opts).remote(device, s.gpus, {**(env or {}), **log}))
         self.names = [f"{label} engine {s.engine} node {s.node_rank}" for s in slots]
-        logs = [log_file(log_dir, s.engine, s.node_rank) if log_dir else None for s in slots]
-        try:  # constructing the engine happens in __init__; health() waits for it
-            self.info = _wait_started([a.health.remote() for a in self.actors], self.names, logs, start_timeout_s)
-        except EngineError as e:
-            self.shutdown()
-            if log_dir:  # what the engine said is in its log, not on the console
-                raise EngineError(f"{e} (engine logs: {log_dir})") from None
-            raise
+        self.logs = [log_file(log_dir, s.engine, s.node_rank) if log_dir else None for s in slots]
         self.heads = [a for a, s in zip(self.actors, slots) if s.node_rank == 0]
         self.head_names = [n for n, s in zip(self.names, slots) if s.node_rank == 0]
+        self._imported = [a.__ray_ready__.remote() for a in self.actors]  # done once its constructor is
+        self._starting = None
+        if start:
+            self.start()
+            self.wait_started()
+
+    def imported(self, timeout_s: float) -> None:
+        """Wait until every engine's process has imported its engine (an EngineError naming one that failed)."""
+        _wait(self._imported, "start-up (importing its engine)", self.names, timeout_s)
+
+    def start(self) -> None:
+        """Have every engine built (its weights, KV cache, CUDA graphs): after its imports, without
+        waiting (`wait_started` waits); once only."""
+        if self._starting is None:
+            self._starting = [a.start.remote(self.args_of(s)) for a, s in zip(self.actors, self.slots)]
+
+    def wait_started(self) -> None:
+        """Wait for `start`, within start_timeout_s: an engine that fails or hangs, in its imports
+        too, is an EngineError naming it (the engines are shut down)."""
+        try:
+            self.info = _wait_started(self._starting, self.names, self.logs, self.start_timeout_s)
+        except EngineError as e:
+            self.shutdown()
+            if self.log_dir:  # what the engine said is in its log, not on the console
+                raise EngineError(f"{e} (engine logs: {self.log_dir})") from None
+            raise
 
     @property
     def engines(self) -> int:
@@ -223,8 +245,9 @@ class EngineGroup:
         return _wait([a.health.remote() for a in self.actors], "health check", self.names, self.timeout_s)
 
     def shutdown(self) -> None:
-        """Stop every engine (its own shutdown first, so SGLang reaps its schedulers), then the actors."""
-        refs = [a.shutdown.remote() for a in self.actors]
+        """Stop every engine (its own shutdown first, so SGLang reaps its schedulers), then the actors
+        (at once where no engine was started: their processes may still be importing it)."""
+        refs = [a.shutdown.remote() for a in self.actors] if self._starting is not None else []
         for ref in refs:
             try:
                 self.ray.get(ref, timeout=30)
@@ -235,3 +258,4 @@ class EngineGroup:
         self.actors, self.heads = [], []
         for pg in {id(s.pg): s.pg for s in self.slots if s.owns_pg}.values():  # engines' own groups
             self.ray.util.remove_placement_group(pg)
+        self.slots = []  # a second shutdown finds nothing left to stop

@@ -241,11 +241,13 @@ class SGLangServer:
 
     READBACK = "digests"  # how a sync is verified (see WeightSync.verify)
 
-    def __init__(self, engine_args: dict, device: str, visible_devices: str | None = None,
-                 env: dict | None = None):
+    def __init__(self, device: str, visible_devices: str | None = None, env: dict | None = None):
+        """The engine's process as it starts, before its engine: its environment and log file, and
+        SGLang imported (10-25 s on a GPU node), while the trainer builds; `start` builds the engine."""
         os.environ.update(env or {})
         engine_logs.to_log_file()  # before SGLang is imported: its import warnings too
         jit_cache.apply(os.environ.get(jit_cache.DIR_ENV))
+        t0 = time.perf_counter()
         engine_start.mark("importing SGLang")
         if visible_devices is not None:  # the engine's GPUs, by physical index (Ray gives us one)
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
@@ -256,34 +258,38 @@ class SGLangServer:
 
             os.environ.update(sglang_cpu.child_env(os.environ))
             sglang_cpu.install()
-        self.node_rank, self.nnodes = engine_args.get("node_rank", 0), engine_args.get("nnodes", 1)
-        per = engine_args.get("tp_size", 1) // engine_args.get("nnodes", 1)
-        self.tp_ranks = range(self.node_rank * per, (self.node_rank + 1) * per)  # SGLang's, on this node
-        if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
-            os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         if os.environ.get("SGLANG_ENABLE_JIT_DEEPGEMM") == "1" and importlib.util.find_spec("deep_gemm") is None:
             # SGLang would quietly run triton's kernels instead
             raise EngineError("rollout.fp8_kernels asks for DeepGEMM, which this node's Python lacks "
                               "(pip install sgl-deep-gemm, the version this SGLang requires)")
         import sglang
+        from sglang.srt.entrypoints import engine as engine_module  # what sglang.Engine imports: the bulk
 
-        self.version = sglang.__version__
-        known = server_arg_names()
-        if "nccl_port" in known and engine_args.get("nccl_port") is None:  # SGLang's own pick is ephemeral
+        self.version, self.device, self.engine_module = sglang.__version__, device, engine_module
+        self.known = server_arg_names()
+        self.engine, self.start_seconds, self.nccl_port = None, None, None
+        engine_start.mark(f"SGLang {self.version} imported in {time.perf_counter() - t0:.0f} s")
+
+    def start(self, engine_args: dict) -> dict:
+        """Build the engine (node `node_rank` of it): the model, the KV cache and, on GPUs, the CUDA
+        graphs. Colocated, only once the trainer holds no more than the memory plan's rollout phase
+        gives it. Returns `health()`."""
+        device = self.device
+        self.node_rank, self.nnodes = engine_args.get("node_rank", 0), engine_args.get("nnodes", 1)
+        per = engine_args.get("tp_size", 1) // engine_args.get("nnodes", 1)
+        self.tp_ranks = range(self.node_rank * per, (self.node_rank + 1) * per)  # SGLang's, on this node
+        if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
+            os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+        if "nccl_port" in self.known and engine_args.get("nccl_port") is None:  # SGLang's own pick is ephemeral
             engine_args = {**engine_args, "nccl_port": free_port()}
         self.nccl_port = engine_args.get("nccl_port")
-        engine_args = adapt_args(engine_args, known)
+        engine_args = adapt_args(engine_args, self.known)
         t0 = time.perf_counter()
         engine_start.mark(f"starting SGLang {self.version}'s engine: model, KV cache"
                           + (", CUDA graphs" if device == "gpu" else ""))
-        if device == "cpu":
-            from sglang.srt.entrypoints import engine as engine_module
-
-            start = children_forked(engine_module)
-        else:
-            start = children_skip_main()
+        start = children_forked(self.engine_module) if device == "cpu" else children_skip_main()
         with start, engine_start.CompileWatch():
-            self.engine = sglang.Engine(**engine_args)
+            self.engine = self.engine_module.Engine(**engine_args)
         engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
         self.start_seconds = time.perf_counter() - t0
         self.route_shape = None  # (layers, top-k) of the routed experts it returns
@@ -291,6 +297,7 @@ class SGLangServer:
             with open(os.path.join(engine_args["model_path"], "config.json")) as f:
                 hf = json.load(f)
             self.route_shape = (hf["num_hidden_layers"], hf["num_experts_per_tok"])
+        return self.health()
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:

@@ -127,11 +127,13 @@ class VLLMServer:
 
     READBACK = "logprobs"  # how a sync is verified (see WeightSync.verify)
 
-    def __init__(self, engine_args: dict, device: str, visible_devices: str | None = None,
-                 env: dict | None = None):
+    def __init__(self, device: str, visible_devices: str | None = None, env: dict | None = None):
+        """The engine's process as it starts, before its engine: its environment and log file, and
+        vLLM imported, while the trainer builds; `start` builds the engine."""
         os.environ.update(env or {})
         engine_logs.to_log_file()  # before vLLM is imported: its import warnings too
         jit_cache.apply(os.environ.get(jit_cache.DIR_ENV))
+        t0 = time.perf_counter()
         engine_start.mark("importing vLLM")
         if visible_devices is not None:  # the engine's GPUs, by physical index
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
@@ -139,17 +141,25 @@ class VLLMServer:
         self.tmp = tempfile.mkdtemp(prefix="mcore_rl_vllm_")
         os.environ["TMPDIR"] = tempfile.tempdir = self.tmp
         import vllm
+        from vllm.entrypoints.llm import LLM  # what vllm.LLM imports: the bulk
 
         jit_cache.share_inductor_headers()  # TMPDIR above would keep them in self.tmp, for this engine only
-        self.version, self.device = vllm.__version__, device
+        self.version, self.device, self.llm_class = vllm.__version__, device, LLM
+        self.llm, self.start_seconds, self.asleep = None, None, False
+        engine_start.mark(f"vLLM {self.version} imported in {time.perf_counter() - t0:.0f} s")
+
+    def start(self, engine_args: dict) -> dict:
+        """Build the engine: the model, the KV cache and, on GPUs, its compile and CUDA graphs.
+        Colocated, only once the trainer holds no more than the memory plan's rollout phase gives
+        it. Returns `health()`."""
         t0 = time.perf_counter()
         engine_start.mark(f"starting vLLM {self.version}'s engine: model, KV cache"
-                          + (", compile, CUDA graphs" if device == "gpu" else ""))
+                          + (", compile, CUDA graphs" if self.device == "gpu" else ""))
         with children_skip_main(), engine_start.CompileWatch():
-            self.llm = vllm.LLM(**engine_args)
+            self.llm = self.llm_class(**engine_args)
         engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
         self.start_seconds = time.perf_counter() - t0
-        self.asleep = False
+        return self.health()
 
     # ---- every engine call runs watched ------------------------------------------------------------
     def _dead(self) -> bool:

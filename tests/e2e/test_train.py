@@ -72,16 +72,22 @@ STALE_LOCK_WARNING = "ended without releasing it; taking it over"
 
 START_PHASES = ("starting Ray, placing the trainer", "writing the model's config",
                 "building the trainer's model (2 ranks)", "making the optimizer", "offloading the trainer's states",
-                "starting the sglang engines", "first weight sync")
+                "starting the sglang engines", "setting up the weight sync", "first weight sync")
+# beside the trainer's build (its line before the engines' start ends, which waits for it)
+PARALLEL_PHASES = ("starting the sglang engines' processes and importing SGLang",)
 
 
 def _check_start(log: str, phases: tuple[str, ...], first_step: int) -> None:
     """The start-up's progress: one line per phase with its seconds, in the order they ran (a phase
     still running after 5 s also said so before), then the seconds to the first step."""
-    from mcore_rl.metrics.console import start_record
+    from mcore_rl.metrics.console import PARALLEL, start_record
 
     rec = start_record(log.splitlines())
     assert [name for name, _ in rec["phases"]] == list(phases) and rec["failed"] is None, log
+    assert [name for name, _ in rec["parallel"]] == list(PARALLEL_PHASES), log
+    lines = log.splitlines()
+    imported = next(i for i, ln in enumerate(lines) if ln.startswith(f"start: {PARALLEL_PHASES[0]}{PARALLEL} "))
+    assert imported < next(i for i, ln in enumerate(lines) if re.match(r"start: starting the sglang engines \d", ln))
     running = re.findall(r"^start: (.+) \.\.\.$", log, re.M)
     assert set(running) <= set(phases) and len(running) == len(set(running)), log
     assert rec["ready_for_step"] == first_step and rec["ready_s"] >= sum(s for _, s in rec["phases"]) - 0.5, log

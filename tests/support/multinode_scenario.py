@@ -85,8 +85,8 @@ def _greedy_one_node(model_dir: str, device: str, out: str) -> None:
     from mcore_rl.rollout.base import SamplingParams, flatten
     from mcore_rl.rollout.sglang import SGLangServer
 
-    server = SGLangServer(engine_args(model_dir, device, 1, 0, None), device,
-                          None if device == "cpu" else "0,1", engine_env(device))
+    server = SGLangServer(device, None if device == "cpu" else "0,1", engine_env(device))
+    server.start(engine_args(model_dir, device, 1, 0, None))
     done = server.generate(flatten(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8)))
     server.shutdown()
     Path(out).write_text(json.dumps([c.token_ids for c in done]))

@@ -81,6 +81,34 @@ def test_start_up_phases_one_line_each_with_seconds_and_a_line_while_a_long_one_
     assert tty.getvalue().startswith("start: compiling ...\r\x1b[Kstart: compiling ")
 
 
+def test_a_parallel_phase_says_so_and_is_kept_apart_from_the_serial_ones():
+    """A phase that ran beside the others (the engines' imports while the trainer builds): its line
+    says so, start_record keeps it out of the serial phases (whose seconds the total may not
+    exceed), and on a terminal the running phase's open line shows again under it."""
+    import re
+    import time
+
+    out = io.StringIO()
+    c = StartConsole(stream=out, still_running_s=60)
+    with c.phase("building the trainer's model"):
+        c.parallel("importing SGLang", 12.34)
+    c.parallel("warming a cache", 0.5, failed=True)
+    c.done()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "start: importing SGLang (in parallel) 12.3 s" and len(lines) == 4, lines
+    assert lines[2] == "start: warming a cache (in parallel) failed after 0.5 s", lines
+    rec = start_record(lines)
+    assert rec["phases"] == [["building the trainer's model", rec["phases"][0][1]]] and rec["failed"] is None
+    assert rec["parallel"] == [["importing SGLang", 12.3], ["warming a cache", 0.5]], rec
+    tty = _Tty()
+    c = StartConsole(stream=tty, still_running_s=0.01)
+    with c.phase("building"):
+        time.sleep(0.3)  # its running line is open
+        c.parallel("importing SGLang", 1.0)
+    assert re.fullmatch(r"start: building \.\.\.\r\x1b\[Kstart: importing SGLang \(in parallel\) 1\.0 s\n"
+                        r"start: building \.\.\.\r\x1b\[Kstart: building 0\.\d s\n", tty.getvalue()), repr(tty.getvalue())
+
+
 def test_clock():
     assert clock(5) == "0:05" and clock(125) == "2:05" and clock(3725) == "1:02:05"
 

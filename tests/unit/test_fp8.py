@@ -106,7 +106,7 @@ def test_an_engine_asked_for_deep_gemm_without_it_is_an_error_not_triton():
         pytest.skip("deep_gemm is installed here")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("from mcore_rl.rollout.sglang import SGLangServer\n"
-            "SGLangServer({}, 'gpu', env={'SGLANG_ENABLE_JIT_DEEPGEMM': '1'})")
+            "SGLangServer('gpu', env={'SGLANG_ENABLE_JIT_DEEPGEMM': '1'})")
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "EngineError: rollout.fp8_kernels asks for DeepGEMM, which this node's Python lacks" in p.stderr

@@ -63,3 +63,26 @@ def test_multinode_launch_args_share_everything_but_node_rank():
         EngineLaunch("/m", EngineLayout(16, 1, nnodes=2), dist_init_addr="h:1")
     with pytest.raises(SyncPlanError, match="host:port"):
         EngineLaunch("/m", EngineLayout(16, 1, nnodes=2, gpus_per_node=8), dist_init_addr="nohost")
+
+
+def test_colocated_engines_take_the_gpus_of_the_trainers_bundles_before_the_ranks_exist():
+    """Launching places colocated engines by the trainer's bundles (`bundle_devices`, before the
+    ranks are built): each engine's CUDA_VISIBLE_DEVICES lists its ranks' GPUs in rank order; the
+    feed then matches by the ranks' own `where`, and a rank found elsewhere than its bundle is refused."""
+    from mcore_rl.config.sections import load_config
+    from mcore_rl.rollout.launch import _check_bundles, _colocated_slots, _feeds
+    from mcore_rl.rollout.placement import plan_placement
+
+    cfg = load_config("configs/tiny_gpu.yaml", ["cluster.n_gpus_per_node=4", "rollout.tp_size=2", "parallel.ep=4",
+                                                "actor.micro_batch_size=32"])
+    placement = plan_placement(cfg)
+    bundles = [{"node": "n" * 8, "gpu_ids": [g]} for g in ("3", "1", "0", "2")]  # Ray's picks, any order
+    slots = _colocated_slots(placement, bundles, "gpu", pg="pg")
+    assert [(s.engine, s.node_rank, s.bundle, s.gpus) for s in slots] == [(0, 0, 0, "3,1"), (1, 0, 2, "0,2")]
+    where = [{**b, "uuid": f"GPU-{b['gpu_ids'][0]}"} for b in bundles]
+    _check_bundles(bundles, where)
+    assert _feeds(placement, where, EngineLayout(2, 1, 1, 2)) == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    with pytest.raises(SyncPlanError, match=r"trainer rank 1 runs on GPU\(s\) \['2'\]"):
+        _check_bundles(bundles, [*where[:1], {**where[1], "gpu_ids": ["2"]}, *where[2:]])
+    with pytest.raises(SyncPlanError, match="needs trainer ranks \\[0, 1\\] on one node"):
+        _colocated_slots(placement, [{"node": "m" * 8, "gpu_ids": ["3"]}, *bundles[1:]], "gpu", pg="pg")
