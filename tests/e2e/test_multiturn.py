@@ -39,8 +39,8 @@ def test_fully_async_conversations_learn_and_a_run_killed_mid_conversation_resum
     """fully_async conversations (engine on a "GPU" of its own) learn the task within the issue's
     bound, across a kill: the whole run SIGKILLed after its step-10 checkpoint at a moment when
     conversations are open (the environment's trace says so: tests/support/traced_env.py, its tool
-    taking 0.2 s), then the same command resumes and ends at step 30; the mean reward of steps 1-3
-    is below 0.3 and of steps 28-30 above 0.7.
+    taking 0.2 s), then the same command resumes (its tool without the delay) and ends at step 30;
+    the mean reward of steps 1-3 is below 0.3 and of steps 28-30 above 0.7.
 
     Exact equality with an uninterrupted run cannot hold for fully_async by design: which weights
     sample a step's conversations depends on timing (a step's groups start ahead, under the version
@@ -87,7 +87,7 @@ def test_fully_async_conversations_learn_and_a_run_killed_mid_conversation_resum
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     killed_at = time.time() - t0
-    again = _train(out, *overrides, config=config)
+    again = _train(out, *overrides, "rollout.env_args.delay_s=0", config=config)  # the delay served the kill only
     log, _ = again.communicate(timeout=900)
     assert again.returncode == 0, _failure(log)
     print("\n".join(ln for ln in log.splitlines() if ln.startswith("start:")))
