@@ -73,8 +73,9 @@ def test_fully_async_conversations_learn_and_a_run_killed_mid_conversation_resum
     p = _train(out, *overrides, config=config, start_new_session=True)
     try:
         deadline = time.time() + 600
+        checkpoint = os.path.join(out, "checkpoints", f"step_{kill_after}")
         while time.time() < deadline and p.poll() is None and not (
-                os.path.exists(os.path.join(out, "checkpoints", f"step_{kill_after}")) and open_conversations(trace) > 0):
+                os.path.exists(checkpoint) and open_conversations(trace) > 0):
             time.sleep(0.02)
         running, in_flight = p.poll() is None, open_conversations(trace)
         if running:
@@ -91,7 +92,8 @@ def test_fully_async_conversations_learn_and_a_run_killed_mid_conversation_resum
     log, _ = again.communicate(timeout=900)
     assert again.returncode == 0, _failure(log)
     print("\n".join(ln for ln in log.splitlines() if ln.startswith("start:")))
-    assert "resumed from" in log and log.split("resumed from")[1].split()[0].endswith(f"step_{kill_after}"), _failure(log)
+    resumed = log.split("resumed from")[1].split()[0] if "resumed from" in log else ""
+    assert resumed.endswith(f"step_{kill_after}"), _failure(log)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         updates = [r["step"] for r in map(json.loads, f) if "reward/mean" in r]
     assert updates == list(range(1, steps_n + 1)), updates  # the killed run's later steps were dropped, none repeated
