@@ -8,7 +8,6 @@ KV cache, the trainer onloads and trains, offloads, and the engine resumes and i
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -24,8 +23,7 @@ from mcore_rl.loop.groups import ActorGroup, trainer_placement
 from mcore_rl.loop.phases import Phases
 from mcore_rl.loop.progress import PROGRESS, stop_on_signals
 from mcore_rl.loop.sources import BatchSource, batch_source, total_steps
-from mcore_rl.loop.startup import (initial_checkpoints, load_checkpoint, memory_plan, model_config_text,
-                                   prepare_model, start_ray)
+from mcore_rl.loop.startup import initial_checkpoints, load_checkpoint, memory_plan, prepare_model, start_ray
 from mcore_rl.loop.step import StepClock, advantages, generate, log_probs, update, validate
 from mcore_rl.loop.step_batch import correction_line, kl_controller, stop_ids
 from mcore_rl.metrics.logger import MetricsLogger
@@ -45,26 +43,24 @@ def train(cfg: C.Config, inputs=None, replay: str | None = None, stop_on_signal:
     run_dir = os.path.abspath(cfg.trainer.output_dir)
     plan = memory_plan(cfg)
     start_console = StartConsole()  # a line per start-up phase, with its seconds
-    with concurrent.futures.ThreadPoolExecutor(1) as beside_ray:
-        config_text = beside_ray.submit(model_config_text, cfg)  # written once the run holds its directory
-        with start_console.phase("starting Ray, placing the trainer"):
-            start_ray(cfg)
-            if stop_on_signal:
-                stop_on_signals()  # after Ray's start: its handler would print a native stack dump on SIGTERM
-            pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
+    with start_console.phase("starting Ray, placing the trainer"):
+        start_ray(cfg)
+        if stop_on_signal:
+            stop_on_signals()  # after Ray's start: its handler would print a native stack dump on SIGTERM
+        pg = trainer_placement(cfg)  # a cluster too small for the trainer stops here, before anything is written
     os.makedirs(run_dir, exist_ok=True)
     with RunLock(run_dir):  # a second run in this directory is refused while this one lives
-        return _train_in(cfg, run_dir, pg, plan, train_task, val_task, replay, start_console, config_text)
+        return _train_in(cfg, run_dir, pg, plan, train_task, val_task, replay, start_console)
 
 
 def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, replay: str | None,
-              start_console, config_text) -> dict:
+              start_console) -> dict:
     t = cfg.trainer
     ckpt_root = os.path.join(run_dir, "checkpoints")
     PROGRESS.update(ckpt_root=ckpt_root, step=None, done=None)
     written = contextlib.nullcontext() if cfg.model.hf_path else start_console.phase("writing the model's config")
     with written:
-        hf_dir = prepare_model(cfg, run_dir, config_text.result())
+        hf_dir = prepare_model(cfg, run_dir)
     init = initial_checkpoints(cfg, hf_dir, run_dir, start_console)
     engine = source = sync = phases = None
     # the engines' processes start and import SGLang or vLLM now, while the trainer builds

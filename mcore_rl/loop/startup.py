@@ -21,36 +21,24 @@ from mcore_rl.memory.plan import apply_choice, plan_for_config, settle_without_p
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 
 
-def prepare_model(cfg: C.Config, run_dir: str, config_text: str | None = None) -> str:
+def prepare_model(cfg: C.Config, run_dir: str) -> str:
     """An HF directory for the policy: the given one, or the embedded config's, written once. The
     latter holds the config only: the trainer starts from megatron's seeded init, built on its
     device, and the engines build theirs without reading weights (a dummy load) and get the
     trainer's from the first sync. (A whole random model built on the host, as transformers'
-    from_config does, took 2.5 minutes and 63 GB at Moonlight's size, for weights no one read.)
-    config_text: `model_config_text(cfg)`, where the caller has made it already."""
+    from_config does, took 2.5 minutes and 63 GB at Moonlight's size, for weights no one read.)"""
     if cfg.model.hf_path:
         return cfg.model.hf_path
     hf_dir = os.path.join(run_dir, "init_hf")
     if not os.path.exists(os.path.join(hf_dir, "config.json")):
-        text = config_text if config_text is not None else model_config_text(cfg)
+        hcfg = transformers.AutoConfig.for_model(**cfg.model.hf_config)
+        # what save_pretrained of the model would record: the engines pick their model class by it
+        hcfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hcfg.model_type]]
+        hcfg.dtype = getattr(torch, DTYPE_NAMES[cfg.model.dtype])  # the weights' dtype, as the run has them
         shutil.rmtree(hf_dir + ".tmp", ignore_errors=True)
-        os.makedirs(hf_dir + ".tmp")
-        with open(os.path.join(hf_dir + ".tmp", "config.json"), "w", encoding="utf-8") as f:
-            f.write(text)
+        hcfg.save_pretrained(hf_dir + ".tmp")
         os.replace(hf_dir + ".tmp", hf_dir)
     return hf_dir
-
-
-def model_config_text(cfg: C.Config) -> str | None:
-    """The embedded config's config.json, as transformers' save_pretrained writes it (None for
-    model.hf_path). A run makes it while Ray starts (GPU runs spent 3.4-5.0 s writing it after)."""
-    if cfg.model.hf_path:
-        return None
-    hcfg = transformers.AutoConfig.for_model(**cfg.model.hf_config)
-    # what save_pretrained of the model would record: the engines pick their model class by it
-    hcfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hcfg.model_type]]
-    hcfg.dtype = getattr(torch, DTYPE_NAMES[cfg.model.dtype])  # the weights' dtype, as the run has them
-    return hcfg.to_json_string(use_diff=True)
 
 
 
