@@ -251,10 +251,11 @@ def engine_arguments(items) -> dict:
 
 
 def parse_kind(kind: str) -> tuple[str, dict]:
-    """"bf16" | "fp8" | "fp8:KEY=VALUE[+KEY=VALUE...]" -> (bf16 or fp8, that engine's own arguments)."""
+    """"bf16" | "fp8", then optionally ":KEY=VALUE[+KEY=VALUE...]" -> (bf16 or fp8, that engine's own
+    arguments), e.g. bf16:attention_backend=flashinfer or bf16:tp_size=4+ep_size=4."""
     base, _, rest = kind.partition(":")
-    if base not in ("bf16", "fp8") or (rest and base != "fp8"):
-        raise ValueError(f"kind {kind!r}: bf16, fp8 or fp8:KEY=VALUE[+KEY=VALUE]")
+    if base not in ("bf16", "fp8"):
+        raise ValueError(f"kind {kind!r}: bf16 or fp8, optionally with :KEY=VALUE[+KEY=VALUE]")
     try:
         return base, engine_arguments(filter(None, rest.split("+")))
     except ValueError as e:
@@ -319,8 +320,9 @@ def kernel_times(trace_dir: str, steps: int, top: int = 12) -> dict:
             "top_us_per_step": {k: v / steps for k, v in by_name.most_common(top)}}
 
 
-def profile_decode(eng, hf_config: dict, batch: int, steps: int, trace_dir: str, activities=("GPU",)) -> dict:
-    prompts = random_prompts(hf_config["vocab_size"], batch, PROFILE_CONTEXT, seed=2)
+def profile_decode(eng, hf_config: dict, batch: int, steps: int, trace_dir: str, activities=("GPU",),
+                   context: int = PROFILE_CONTEXT) -> dict:
+    prompts = random_prompts(hf_config["vocab_size"], batch, context, seed=2)
     eng.start_profile(output_dir=trace_dir, num_steps=steps, activities=list(activities), profile_by_stage=True,
                       with_stack=False, record_shapes=False)
     eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": steps + 4, "temperature": 1.0,
@@ -349,7 +351,7 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
         base, own = parse_kind(kind)
         model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos,
                                      quantization_config=fp8.QUANTIZATION_CONFIG if base == "fp8" else None)
-        extra = {**(fp8_args or {}), **own} if base == "fp8" else {}
+        extra = {**(fp8_args or {}), **own} if base == "fp8" else own
         t0 = time.perf_counter()
         eng = engine(model_dir, backend, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
                      cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
@@ -361,8 +363,9 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
             rates = [batch * new_tokens / s for s in seconds]
             out[kind] = {"tokens_per_s": statistics.median(rates), "runs": rates, "start_s": round(start_s, 1)}
             if profile_steps:
-                out[kind]["kernels"] = profile_decode(eng, hf_config, batch, profile_steps,
-                                                      os.path.join(work, f"trace{i}"))
+                out[kind]["kernels"] = profile_decode(eng, hf_config, batch, profile_steps,  # at the run's KV length
+                                                      os.path.join(work, f"trace{i}"),
+                                                      context=max(PROFILE_CONTEXT, prompt_len))
             print(f"{kind}: started in {start_s:.0f} s, {out[kind]['tokens_per_s']:.0f} tokens/s", flush=True)
         finally:
             eng.shutdown()
@@ -399,7 +402,8 @@ def speed_main(argv: list[str]) -> int:
     ap.add_argument("--moe-config-dir", help="SGLang's fused-MoE tiles from scripts/tune_fused_moe.py "
                     "(rollout.moe_config_dir); default: the ones it ships")
     ap.add_argument("--kinds", default="bf16,fp8", help=(
-        "which engines, in order: bf16, fp8, fp8:KEY=VALUE[+KEY=VALUE] (an FP8 engine with those arguments)"))
+        "which engines, in order: bf16, fp8, or either with :KEY=VALUE[+KEY=VALUE] (an engine with those "
+        "arguments: bf16:attention_backend=flashinfer, bf16:tp_size=4+ep_size=4)"))
     ap.add_argument("--fp8-engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an SGLang engine argument of every FP8 engine, e.g. moe_runner_backend=triton "
                     "(repeatable; values parsed as YAML)")

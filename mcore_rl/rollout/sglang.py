@@ -320,6 +320,12 @@ class SGLangServer:
                                    cached_tokens=meta.get("cached_tokens")))
         return done
 
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The log-prob of each token of each sequence after its prefix (untempered): len - 1 values."""
+        outs = self.engine.generate(input_ids=[list(s) for s in sequences], return_logprob=True, logprob_start_len=0,
+                                    sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        return [[lp[0] for lp in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
+
     # ---- weight updates (the WeightTarget entry points, for this engine) ---------------------------
     def begin_weight_update(self) -> None:
         if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.23

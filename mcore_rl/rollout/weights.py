@@ -50,7 +50,7 @@ class WeightSync:
         actors.call("setup_sync", spec)
         self.kind, self.syncs = kind, 0
         self.probe = probe_sequences(hf, rows=2 * (len(where) // (p.tp * p.pp)))
-        self.tol = cfg.rollout.verify_logprob_tol
+        self.tol, self.probe_on_verify = cfg.rollout.verify_logprob_tol, cfg.rollout.verify_sync_probe
 
     def __call__(self, step: int | None = None, verify: bool | None = None) -> dict:
         """Sync every weight into every engine; read back and compare when `verify`, by default
@@ -68,6 +68,9 @@ class WeightSync:
             out["memory/trainer_max_reserved_gib_sync"] = max(r["trainer_max_reserved"] for r in results) / 2**30
         if verify:
             out.update(self.verify(merge_expected(results)), **{"sync/verified": 1.0})
+            if self.probe_on_verify:
+                gaps = torch.cat(self._probe_gaps())
+                out.update({"sync/probe_gap_mean": gaps.mean().item(), "sync/probe_gap_max": gaps.max().item()})
         return out
 
     def verify(self, expected: dict[int, dict[int, dict]]) -> dict:
@@ -85,11 +88,15 @@ class WeightSync:
         return [problem for k, name in enumerate(self.engines.head_names)
                 for problem in compare_engine(expected.get(k, {}), actual.get(k, {}), name)], {}
 
-    def _logprob_problems(self, expected=None) -> tuple[list[str], dict]:
+    def _probe_gaps(self) -> list[torch.Tensor]:
+        """Each engine's |log-prob - the trainer's| on every token of the probe sequences."""
         ours = torch.cat(self.actors.call("log_probs", probe_batch(self.probe)))
+        return [(ours - torch.tensor(theirs)).abs() for theirs in self.engines.prompt_logprobs(self.probe.tolist())]
+
+    def _logprob_problems(self, expected=None) -> tuple[list[str], dict]:
         problems, worst = [], 0.0
-        for name, theirs in zip(self.engines.head_names, self.engines.prompt_logprobs(self.probe.tolist())):
-            gap = (ours - torch.tensor(theirs)).abs().max().item()
+        for name, gaps in zip(self.engines.head_names, self._probe_gaps()):
+            gap = gaps.max().item()
             worst = max(worst, gap)
             if not gap <= self.tol:
                 problems.append(f"{name}: its log-probs of the probe sequences differ from the trainer's by up to "

@@ -29,7 +29,7 @@ from mcore_rl.loop import step_batch
 from mcore_rl.models.routed_experts import ExpertLayout
 from tests.support.sync_checks import (BROADCAST, DISK, GLM4_MOE_TINY, QWEN3_MOE_TINY, check_a_corrupted_tensor_fails,
                                check_a_skipped_sync_fails, check_verified_grpo_steps, grpo_steps, logp_gap,
-                               started_run)
+                               perturb, started_run)
 from tests.e2e.test_routing_replay import MISMATCH
 from tests.e2e.test_train import reward_rises
 
@@ -61,6 +61,22 @@ def test_a_corrupted_tensor_fails_the_readback(run):
 
 def test_a_skipped_sync_fails_the_readback_and_the_logprob_match(run):
     check_a_skipped_sync_fails(run, "differs from the trainer's weights")
+
+
+def test_the_sync_probe_compares_the_engines_model_with_the_trainers(run):
+    """rollout.verify_sync_probe: after a good sync the engine's log-probs of the probe sequences
+    are the trainer's; with the trainer moved and nothing synced, the probe sees the difference."""
+    cfg, group, engine, sync, source = run
+    sync.probe_on_verify = True
+    try:
+        out = sync(5, verify=True)
+    finally:
+        sync.probe_on_verify = False
+    assert out["sync/probe_gap_max"] < 1e-3 and 0 <= out["sync/probe_gap_mean"] <= out["sync/probe_gap_max"], out
+    group.call("run", perturb, 1.05)
+    assert torch.cat(sync._probe_gaps()).max().item() > 1e-2
+    sync(6, verify=True)
+    assert logp_gap(cfg, group, engine, source) < 1e-3
 
 
 @pytest.fixture(scope="module")
