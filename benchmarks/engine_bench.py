@@ -138,12 +138,16 @@ def write_models(hf_config: dict, work: str, seed: int) -> dict[str, str]:
 
 def engine(model_dir: str, attention_backend: str, **extra):
     import sglang
+    import torch
 
-    from mcore_rl.rollout.sglang import adapt_args, server_arg_names
+    from mcore_rl.rollout.sglang import GPU_DEFAULTS, adapt_args, server_arg_names
 
     args = dict(model_path=model_dir, skip_tokenizer_init=True, trust_remote_code=False, dtype="bfloat16",
                 attention_backend=attention_backend, disable_cuda_graph=True, mem_fraction_static=0.5,
-                disable_shared_experts_fusion=True, random_seed=1, log_level="error")
+                disable_shared_experts_fusion=True, random_seed=1, log_level="error",
+                # the loop's own defaults: without them a TP > 1 engine sat in flashinfer's all-reduce JIT
+                # for the whole of a 5-minute call (4 x H200, TP 4 / EP 4, 2026-11-28)
+                **(GPU_DEFAULTS if torch.cuda.is_available() else {}))
     return sglang.Engine(**adapt_args({**args, **extra}, server_arg_names()))
 
 
@@ -353,7 +357,8 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
                                      quantization_config=fp8.QUANTIZATION_CONFIG if base == "fp8" else None)
         extra = {**(fp8_args or {}), **own} if base == "fp8" else own
         t0 = time.perf_counter()
-        eng = engine(model_dir, backend, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
+        extra = dict(extra)
+        eng = engine(model_dir, extra.pop("attention_backend", backend), load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
                      cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
         start_s = time.perf_counter() - t0
         try:

@@ -118,9 +118,10 @@ class RolloutConfig(Section):
     verify_logprob_tol: float = Field(1e-3, gt=0, description=(
         "vLLM's check: its log-probs of fixed sequences vs the trainer's, max abs"))
     verify_sync_probe: bool = Field(False, description=(
-        "at each read-back, also the trainer's and every engine's log-probs of fixed probe sequences "
-        "(sync/probe_gap_mean, sync/probe_gap_max): state the engine derives from its weights, which no "
-        "weight digest covers; a metric, not a check (bf16 engines differ from the trainer by their kernels)"))
+        "at the first read-back (and each later one where the engine keeps its KV cache: not colocated), also "
+        "the trainer's and every engine's log-probs of fixed probe sequences (sync/probe_gap_mean, "
+        "sync/probe_gap_max): state the engine derives from its weights, which no weight digest covers; a "
+        "metric, not a check (bf16 engines differ from the trainer by their kernels)"))
     timeout_s: float = Field(600.0, gt=0, description="engine calls (generate, sync, release) taking longer are errors")
     start_timeout_s: float = Field(900.0, gt=0)
     log_level: str = Field("error", description="the engine's own log level")

@@ -51,6 +51,9 @@ class WeightSync:
         self.kind, self.syncs = kind, 0
         self.probe = probe_sequences(hf, rows=2 * (len(where) // (p.tp * p.pp)))
         self.tol, self.probe_on_verify = cfg.rollout.verify_logprob_tol, cfg.rollout.verify_sync_probe
+        # a colocated engine has released its KV cache at every sync but the first: it cannot score
+        # the probe then (SGLang's scheduler dies on a request without its KV pool)
+        self.kv_held_at_sync = not cfg.cluster.colocate
 
     def __call__(self, step: int | None = None, verify: bool | None = None) -> dict:
         """Sync every weight into every engine; read back and compare when `verify`, by default
@@ -68,7 +71,7 @@ class WeightSync:
             out["memory/trainer_max_reserved_gib_sync"] = max(r["trainer_max_reserved"] for r in results) / 2**30
         if verify:
             out.update(self.verify(merge_expected(results)), **{"sync/verified": 1.0})
-            if self.probe_on_verify:
+            if self.probe_on_verify and (self.syncs == 1 or self.kv_held_at_sync):
                 gaps = torch.cat(self._probe_gaps())
                 out.update({"sync/probe_gap_mean": gaps.mean().item(), "sync/probe_gap_max": gaps.max().item()})
         return out
