@@ -6,6 +6,8 @@ import json
 import os
 from collections import defaultdict
 
+import pytest
+
 BUDGET_S = 120
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 _seconds: dict[str, float] = defaultdict(float)
@@ -35,3 +37,23 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", f"over the {BUDGET_S} s budget, not listed in tests/README.md")
         for test, s in late:
             terminalreporter.write_line(f"{s:7.1f}s {test}")
+
+
+def tier(nodeid: str) -> str:
+    """tests/<tier>/... -> <tier> (unit, e2e, gpu)."""
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (CI): one worker runs the whole e2e tier in order, one stack at a time as a plain run
+    does, and the other the unit tier beside it (a stack leaves much of the second core idle). Each
+    tier is one xdist scope, so a worker takes a tier whole."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByTier(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return tier(nodeid)
+
+    return ByTier(config, log)

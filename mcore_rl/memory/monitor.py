@@ -22,11 +22,15 @@ descendants): `memory/gpu_at_peak_gib_{phase}_{role}`, and `..._other` for the r
 Samples taken while no phase is current are dropped, and so is any reading during which the phase
 changed: a PSS walk of a large process takes longer than a colocated phase switch, and its
 reading would land in the phase that was current when it began (at real width that put the
-rollout's GPU peak into the train phase). A child still running its parent's program counts only
-once it is `COPY_AGE_S` old: a process starting a program (v)forks, and until the exec the child
-maps all of its parent's memory, so a reading then would count the parent twice, in RSS and (a
-vfork shares the very pages) in PSS. A forked writer, which copies the parent's pinned pages, lives
-for the whole save. Only pids of this node mean anything: a
+rollout's GPU peak into the train phase). A child that shares its parent's address space is not
+read: a process starting a program vforks (Python's subprocess, glibc's posix_spawn), and until the
+exec the child maps the very pages of its parent, so reading it would count the parent twice, in RSS
+and in PSS, for a window that a loaded machine stretches without bound. The kernel says which
+address space a process has (kcmp KCMP_VM), so the rule holds whatever the child's age; a forked
+child has one of its own and counts at once: in PSS the pages it still shares copy-on-write are
+split with its parent, so only what it copied (written or DMA-pinned pages: a second copy) adds.
+Where kcmp is refused (a seccomp profile without CAP_SYS_PTRACE), a child that has not exec'd counts
+once it is `COPY_AGE_S` old on the boot clock. Only pids of this node mean anything: a
 pid number from another node names some other process here (`local_pids` keeps this node's Ray
 actors). Watching the driver of a local Ray run would take in all of Ray (its raylet is the
 driver's child, the workers the raylet's), hence actor pids rather than os.getpid().
@@ -41,6 +45,9 @@ driver's child, the workers the raylet's), hence actor pids rather than os.getpi
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
+import platform
 import threading
 import time
 
@@ -49,7 +56,11 @@ import psutil
 from mcore_rl.memory.gpus import NvmlUnavailable, all_gpus, process_usage
 
 GiB = 2**30
-COPY_AGE_S = 0.5
+COPY_AGE_S = 0.5  # where kcmp is refused: how long a child that has not exec'd is taken for a vfork
+PF_FORKNOEXEC = 0x40  # /proc/PID/stat flags: forked and not exec'd since
+KCMP_VM = 1
+_KCMP_NR = {"x86_64": 312, "aarch64": 272, "ppc64le": 354}.get(platform.machine())
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class PhaseMonitor:
@@ -155,7 +166,7 @@ class PhaseMonitor:
             return
         reading = {}  # no host keys when no watched process could be read: absent, not 0
         for p in _process_tree(pids):
-            if p.pid not in pids and _about_to_exec(p):
+            if p.pid not in pids and _shares_parent_memory(p.pid):
                 continue
             try:
                 m = p.memory_full_info() if self.pss else p.memory_info()
@@ -216,15 +227,31 @@ def _process_tree(pids: set[int]) -> list[psutil.Process]:
     return list(seen.values())
 
 
-def _about_to_exec(p: psutil.Process) -> bool:
-    """A child younger than COPY_AGE_S still running its parent's program: between its (v)fork and its exec."""
+def _shares_parent_memory(pid: int) -> bool:
+    """A child between its vfork and its exec: its memory is its parent's, not a copy (see above)."""
     try:
-        if time.time() - p.create_time() >= COPY_AGE_S:  # most processes: no /proc reads beyond this one
-            return False
-        parent = p.parent()
-        return parent is not None and p.cmdline() == parent.cmdline()
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)", which may hold spaces
+    except OSError:
         return False
+    ppid, flags, start_ticks = int(fields[1]), int(fields[6]), int(fields[19])
+    if not flags & PF_FORKNOEXEC:  # exec'd: an image of its own (most processes: one read, no syscall)
+        return False
+    same = same_address_space(pid, ppid)
+    if same is not None:
+        return same
+    # psutil's create_time() adds the boot time rounded down to the second (it read new processes
+    # as 0.75 s old on CI's machine, so a 0.5 s grace never applied): compare on the boot clock
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK") < COPY_AGE_S
+
+
+def same_address_space(a: int, b: int) -> bool | None:
+    """Whether processes `a` and `b` share one address space (kcmp KCMP_VM); None where the kernel
+    will not say (refused, not built in, an architecture not listed, either process gone)."""
+    if _KCMP_NR is None:
+        return None
+    r = _libc.syscall(*(ctypes.c_long(x) for x in (_KCMP_NR, a, b, KCMP_VM, 0, 0)))
+    return None if r < 0 else r == 0
 
 
 def _nvml_works() -> bool:
