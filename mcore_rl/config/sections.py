@@ -118,7 +118,7 @@ class RolloutConfig(Section):
     verify_logprob_tol: float = Field(1e-3, gt=0, description=(
         "vLLM's check: its log-probs of fixed sequences vs the trainer's, max abs"))
     verify_sync_probe: bool = Field(False, description=(
-        "at the first read-back (and each later one where the engine keeps its KV cache: not colocated), also "
+        "at each read-back (colocated, once the engine has its KV cache back), also "
         "the trainer's and every engine's log-probs of fixed probe sequences (sync/probe_gap_mean, "
         "sync/probe_gap_max): state the engine derives from its weights, which no weight digest covers; a "
         "metric, not a check (bf16 engines differ from the trainer by their kernels)"))

@@ -61,6 +61,9 @@ class Phases:
         else:
             self.colo.resume()
             out = {f"timing/{k}": v[-1] for k, v in self.colo.timings.items() if k != "sync"}
+            probe = getattr(self.sync, "probe_if_due", None)  # with its KV cache back, the engine can score it
+            if probe is not None:
+                out.update(probe())
             # the most any one GPU's trainer moved to the host in each offload (its GB/s: over timing/<same>)
             out.update({f"memory/moved_gib_{k}": max(v) / 2**30 for k, v in self.colo.moved.items() if v})
         self.mon.enter("rollout")

@@ -93,6 +93,10 @@ def apply_choice(cfg, plan: Plan) -> None:
         cfg.memory.recompute = plan.inputs.recompute
     if cfg.memory.offload_train_states == "auto":
         cfg.memory.offload_train_states = plan.inputs.offload_train_states
+    if cfg.rollout.verify_sync_probe and cfg.cluster.colocate and plan.inputs.offload_train_states:
+        raise ConfigError("rollout.verify_sync_probe scores its probe on the trainer's weights after a sync, where "
+                          "memory.offload_train_states has moved them to the host: keep them on the GPUs (false, "
+                          "or auto where the plan fits them)")
 
 
 def settle_without_plan(cfg) -> None:

@@ -52,8 +52,9 @@ class WeightSync:
         self.probe = probe_sequences(hf, rows=2 * (len(where) // (p.tp * p.pp)))
         self.tol, self.probe_on_verify = cfg.rollout.verify_logprob_tol, cfg.rollout.verify_sync_probe
         # a colocated engine has released its KV cache at every sync but the first: it cannot score
-        # the probe then (SGLang's scheduler dies on a request without its KV pool)
-        self.kv_held_at_sync = not cfg.cluster.colocate
+        # the probe then (SGLang's scheduler dies on a request without its KV pool), so its probe waits
+        # for the KV cache's resume (`probe_if_due`, mcore_rl.loop.phases)
+        self.kv_held_at_sync, self.probe_due = not cfg.cluster.colocate, False
 
     def __call__(self, step: int | None = None, verify: bool | None = None) -> dict:
         """Sync every weight into every engine; read back and compare when `verify`, by default
@@ -71,10 +72,19 @@ class WeightSync:
             out["memory/trainer_max_reserved_gib_sync"] = max(r["trainer_max_reserved"] for r in results) / 2**30
         if verify:
             out.update(self.verify(merge_expected(results)), **{"sync/verified": 1.0})
-            if self.probe_on_verify and (self.syncs == 1 or self.kv_held_at_sync):
-                gaps = torch.cat(self._probe_gaps())
-                out.update({"sync/probe_gap_mean": gaps.mean().item(), "sync/probe_gap_max": gaps.max().item()})
+            self.probe_due = self.probe_on_verify
+            if self.syncs == 1 or self.kv_held_at_sync:
+                out.update(self.probe_if_due())
         return out
+
+    def probe_if_due(self) -> dict:
+        """The probe's metrics (rollout.verify_sync_probe) once after each read-back, with the
+        engines serving; {} when none is due."""
+        if not self.probe_due:
+            return {}
+        self.probe_due = False
+        gaps = torch.cat(self._probe_gaps())
+        return {"sync/probe_gap_mean": gaps.mean().item(), "sync/probe_gap_max": gaps.max().item()}
 
     def verify(self, expected: dict[int, dict[int, dict]]) -> dict:
         """`expected`: {engine: {tp rank: digests}} the trainer ranks sent (digest read-back only).

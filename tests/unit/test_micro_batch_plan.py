@@ -153,6 +153,20 @@ def test_auto_offload_moves_the_states_where_kept_ones_do_not_fit():
     assert plan.host.nodes[0]["trainer states, pinned"] > 200 * GiB
 
 
+def test_the_sync_probe_is_refused_where_the_plan_offloads_the_trainers_weights():
+    """rollout.verify_sync_probe scores the trainer's weights after a sync: refused before anything
+    starts where the plan moved them to the host, taken where it keeps them."""
+    args = ["cluster.host_memory_gb=480", "memory.offload_train_states=auto", "rollout.verify_sync_probe=true"]
+    path = os.path.join(ROOT, "configs", "moonlight_4gpu.yaml")
+    offloaded = C.load_config(path, args)
+    plan, _ = plan_for_config(offloaded, capacity=85 * GiB)
+    with pytest.raises(C.ConfigError, match="rollout.verify_sync_probe .* moved them to the host"):
+        apply_choice(offloaded, plan)
+    kept = C.load_config(path, args)
+    apply_choice(kept, plan_for_config(kept, capacity=H200)[0])
+    assert kept.memory.offload_train_states is False
+
+
 def test_without_a_plan_auto_offload_offloads():
     cfg = C.load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), ["memory.offload_train_states=auto"])
     settle_without_plan(cfg)
