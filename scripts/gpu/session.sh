@@ -160,6 +160,20 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         trainer.total_training_steps="${STEPS:-3}" ${R3:+actor.routing_replay=true} "${EXTRA[@]}" 2>&1 | quiet \
         | tee "$OUT/$name.log" | tail -60
       ls "${HOME}/.cache/mcore_rl/jit" 2>/dev/null | sed 's/^/jit cache: /' ;;
+    first_step)  # issue 45: the first step of a TP > 1 engine disagrees with the trainer (docs/performance.md). At 4
+      # layers, where a healthy engine's live gap is 0.03, one TP 4 engine over the node, every sync read back and
+      # probed (rollout.verify_sync_probe: the trainer's and the engine's log-probs of fixed sequences, colocated once
+      # the KV cache is back), then the same with SGLang's custom all-reduce off. Compare sync/probe_gap_mean of step
+      # 0 (the first sync) with steps 1-2, and rollout/logp_diff_abs_mean of step 1 with step 2, in each JSON
+      for variant in base no_custom_ar; do
+        ar=(); [ $variant = no_custom_ar ] && ar=(rollout.engine_kwargs.disable_custom_all_reduce=true)
+        ray stop --force >/dev/null 2>&1
+        timeout "${LIMIT:-240}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_4gpu.yaml \
+          --out "$OUT/first_step_$variant.json" --logs "$OUT/first_step_${variant}_logs" --no-engine-alone \
+          rollout.tp_size=4 model.hf_config.num_hidden_layers=4 trainer.total_training_steps=3 \
+          rollout.verify_sync_every=1 rollout.verify_sync_probe=true "${ar[@]}" "${EXTRA[@]}" 2>&1 | quiet \
+          | tee "$OUT/first_step_$variant.log" | tail -25
+      done ;;
     hidden_gap)  # issue 45 item 5: engine against trainer, layer by layer, on the same weights and tokens, 27 Moonlight
       # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU); live routing and R3
       timeout "${LIMIT:-590}" python3 benchmarks/engine_bench.py hidden-gap --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
