@@ -54,6 +54,7 @@ PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/up
           "sync/gather_seconds", "sync/send_seconds", "sync/engine_call_seconds", "sync/engine_wait_seconds",
           "timing/offload_weights", "timing/resume_kv_cache")
 MEMORY_PHASES = ("train", "sync", "rollout", "save")
+TRAIN_AT_ALLOCATOR_PEAK = "memory/gpu_at_allocator_peak_gib_train"  # the trainer's reading (actor.memory)
 # the loop's memory metrics (mcore_rl.memory.monitor), reported per step
 MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),
           *(f"memory/trainer_max_{k}_gib_{p}" for p in ("onload", "old_log_prob", "update")
@@ -61,17 +62,25 @@ MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),
           "memory/trainer_offloaded_reserved_gib", "memory/trainer_max_reserved_gib_sync",
           "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
           *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout", "sync")), "timing/save", "checkpoint/state_gib",
-          "plan/gpu_gib_step_train", *LARGEST_MICRO)
+          "plan/gpu_gib_step_train", *LARGEST_MICRO, TRAIN_AT_ALLOCATOR_PEAK)
 
 
 MISMATCH = ("logp_diff_abs_mean", "token_mult_prob_error", "route_agreement")  # engine vs trainer, each step
 
 
+def train_peak(step: dict) -> float | None:
+    """The train phase's GPU peak: NVML's sampled one, or the trainer's reading at its allocator's
+    peak where the sampler missed it (it can: a peak shorter than its 50 ms)."""
+    got = [step[k] for k in ("memory/gpu_peak_gib_train", TRAIN_AT_ALLOCATOR_PEAK) if step.get(k)]
+    return max(got, default=None)
+
+
 def train_vs_step_plan(steps: list[dict]) -> dict:
-    """The train phase's peak against the plan for what the step ran (plan/gpu_gib_step_train: the
-    plan's model at the step's largest micro-batch), at the step where they differ most."""
-    pairs = [(s["memory/gpu_peak_gib_train"], s["plan/gpu_gib_step_train"], s.get("step")) for s in steps
-             if s.get("memory/gpu_peak_gib_train") and s.get("plan/gpu_gib_step_train")]
+    """The train phase's peak (`train_peak`) against the plan for what the step ran
+    (plan/gpu_gib_step_train: the plan's model at the step's largest micro-batch), at the step where
+    they differ most."""
+    pairs = [(train_peak(s), s["plan/gpu_gib_step_train"], s.get("step")) for s in steps
+             if train_peak(s) and s.get("plan/gpu_gib_step_train")]
     if not pairs:
         return {}
     measured, planned, step = max(pairs, key=lambda p: abs(p[0] / p[1] - 1))
