@@ -110,7 +110,8 @@ class Packed:
 
 def largest(packs: list[Packed]) -> list[int]:
     """[packed tokens, log-prob rows, longest sequence] of the largest of `packs`, each its own max
-    (the memory plan's inputs for a step: mcore_rl.memory.planner.Plan.train_at)."""
+    (the memory plan's inputs for a step: mcore_rl.memory.planner.Plan.train_at). The longest is
+    the longest segment attention runs over: a filler that pads a rank to the others' length is one."""
     return [max(p.length for p in packs), max(p.response_rows.numel() for p in packs),
             max(p.max_seqlen for p in packs)]
 
