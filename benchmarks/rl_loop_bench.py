@@ -97,8 +97,8 @@ def host_vs_plan(memory_max: dict, planned: dict) -> dict:
 
 
 def at_peak(step: dict) -> dict:
-    """Who held each phase's GPU peak: `memory/gpu_at_peak_gib_{phase}_{role}` (GPU runs)."""
-    return {k: v for k, v in sorted(step.items()) if k.startswith("memory/gpu_at_peak_gib_")}
+    """Who held each phase's GPU and host PSS peak: `memory/{gpu,host_pss}_at_peak_gib_{phase}_{role}` (GPU runs)."""
+    return {k: v for k, v in sorted(step.items()) if k.startswith(("memory/gpu_at_peak_gib_", "memory/host_pss_at_peak_gib_"))}
 
 
 # each mode's settings, before the command line's overrides (which win)

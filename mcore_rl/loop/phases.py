@@ -67,7 +67,6 @@ class Phases:
         self.mon.enter("rollout")
         return out
 
-
     def planned(self, metrics: dict) -> dict:
         """The train phase's plan for the step just run (GiB): the plan's own model at the largest
         micro-batch the update ran (Plan.train_at); the start-up plan/gpu_gib_train, every

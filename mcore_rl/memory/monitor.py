@@ -168,8 +168,11 @@ class PhaseMonitor:
             if self.pss:
                 reading["host_pss"] = reading.get("host_pss", 0) + m.pss
                 pss[p.pid] = m.pss
-        # PSS by role (the host plan's trainer and engine processes), as the GPU's split
+        # PSS by role (the host plan's trainer and engine processes), as the GPU's split; every
+        # process read is a role's, so no "other"
         split = split_by_role(reading["host_pss"], pss, roles, tree) if roles and pss else None
+        if split:
+            del split["other"]
         self._keep(phase, entered, reading, {"host_pss": split} if split else None)
 
     def _keep(self, phase: str, entered: int, reading: dict[str, int],
