@@ -1,14 +1,14 @@
-"""The 27-layer 4 x H200 runs of 2026-11-28 (docs/performance.md) against the memory plan for what
-each step ran: `Plan.train_at` at the step's largest micro-batch, beside the start-up bound.
+"""The 27-layer 4 x H200 loop runs of 2026-11-28 (docs/performance.md), with today's planner, against
+the memory plan for what each step ran: `Plan.train_at` at the step's largest micro-batch, beside the start-up bound.
 
-    python benchmarks/replan_full27.py
+    python tests/gpu/loop_replan.py
 
 Runs logged before the trainer recorded its micro-batches (`memory/micro_batch_*`) are
 reconstructed here as their trainer formed them: the step's prompts (`loop.sources.step_prompts`)
 with responses of max_response_len (`rollout.ignore_eos`), each rank's data-parallel rows, the
 balanced micro-batches every rank repacks into the same number of, each padded to the longest over
 the ranks (`actor.lockstep`). Each run's plan is remade at its recorded capacity; its train figure
-must equal the recorded one (it is checked). Host: each step's PSS of the node against the host plan's
+must equal the recorded one (it is checked); the sync and rollout phases against it as made. Host: each step's PSS of the node against the host plan's
 fullest node, less the save's staging in the phases no save overlaps.
 """
 
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
 from mcore_rl.config.sections import load_config  # noqa: E402
@@ -77,7 +77,7 @@ def largest_micro_batch(cfg, task, step: int) -> tuple[int, int]:
 def main() -> int:
     print(f"{'run':<16}{'step':>5}{'tokens':>8}{'rows':>7}{'measured':>10}{'bound':>9}{'error':>8}"
           f"{'step plan':>11}{'error':>8}")
-    host = []
+    host, other = [], []
     for run in RUNS:
         with open(os.path.join(LOGS, run, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f]
@@ -96,6 +96,11 @@ def main() -> int:
             step_plan = plan.train_at(tokens, rows) / GiB
             print(f"{run:<16}{r['step']:>5}{tokens:>8}{rows:>7}{measured:>10.2f}{bound:>9.2f}"
                   f"{100 * (measured / bound - 1):>+7.1f}%{step_plan:>11.2f}{100 * (measured / step_plan - 1):>+7.1f}%")
+        for phase in ("sync", "rollout"):  # the phases the micro-batches leave alone: the plan as made
+            got = [r[f"memory/gpu_peak_gib_{phase}"] for r in records if r["step"] >= 2 and r.get(f"memory/gpu_peak_gib_{phase}")]
+            if got:
+                planned = plan.total(phase) / GiB
+                other.append(f"{run:<16}{phase:>8}{max(got):>10.2f}{planned:>9.2f}{100 * (max(got) / planned - 1):>+7.1f}%")
         node = plan.host.nodes[plan.host.fullest]
         for r in records:
             for phase in ("train", "rollout", "sync", "save"):
@@ -107,6 +112,8 @@ def main() -> int:
                 if got is not None:
                     host.append(f"{run:<16}{r['step']:>5}{phase:>8}{got:>10.2f}{planned:>9.2f}"
                                 f"{100 * (got / planned - 1):>+7.1f}%")
+    print(f"\nGPU, the most of steps 2..N\n{'run':<16}{'phase':>8}{'measured':>10}{'plan':>9}{'error':>8}")
+    print("\n".join(other))
     print(f"\nhost PSS of the node\n{'run':<16}{'step':>5}{'phase':>8}{'measured':>10}{'plan':>9}{'error':>8}")
     print("\n".join(host))
     return 0
