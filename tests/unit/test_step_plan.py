@@ -23,7 +23,9 @@ from mcore_rl.models.head import CHUNK_BYTES
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H200 = int(139.8 * GiB)  # the free memory NVML reported on the 4 x H200 runs
 LONG_STEP = ("data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.max_response_len=8176",
-             "cluster.host_memory_gb=480")
+             "cluster.host_memory_gb=480",
+             # what the plan picked for that run (its "auto"s: tests/unit/test_micro_batch_plan.py searches)
+             "actor.ppo_max_token_len_per_gpu=11264", "memory.recompute=none", "memory.offload_train_states=false")
 
 
 def left_padded(prompts: list[list[int]], responses: list[int], R: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +73,8 @@ def test_the_steps_plan_is_the_plans_model_at_its_largest_micro_batch():
     cfg = C.load_config(os.path.join(ROOT, "configs", "moonlight_4gpu.yaml"), list(LONG_STEP))
     plan, _ = plan_for_config(cfg, capacity=H200)
     i, c = plan.inputs, cfg.model.hf_config
-    assert (i.micro_tokens, i.recompute, i.packed_attention, i.fused_logprobs) == (11264, "none", "varlen", True)
+    assert (i.packed_attention, i.fused_logprobs) == ("varlen", True)
+    assert round(plan.total("train") / GiB, 2) == 139.64  # the run's own plan/gpu_gib_train
     assert plan.train_at(i.micro_tokens, i.response_tokens) == plan.total("train")
 
     R = cfg.rollout.max_response_len
