@@ -12,8 +12,9 @@ causal attention per token, over the update's wall time) and % of the measured 7
 peak, and memory: the per-phase peaks the loop logs each step (`memory/gpu_peak_gib_{train,sync,
 rollout,save}`: NVML, all processes, the max over GPUs; `memory/host_rss_peak_gib_save`: the
 actors' host RSS during the checkpoint), `timing/save` and `checkpoint/state_gib`, per step and as
-the max over steps 2..N, next to the memory plan's per-phase GiB (`mcore_rl.memory.plan`), and the whole
-run's GPU and host-RSS peaks sampled from here. The checkpoint stays in the loop
+the max over steps 2..N, next to the memory plan's per-phase GiB (`mcore_rl.memory.plan`; the train
+phase also next to the plan for what each step ran, `plan/gpu_gib_step_train`, where they differ most;
+host PSS against the host plan's fullest node), and the whole run's GPU and host-RSS peaks sampled from here. The checkpoint stays in the loop
 (`trainer.save_freq` as configured; the last step always saves). Prints a table ("not measured"
 where the loop logged nothing); writes JSON.
 
@@ -46,27 +47,58 @@ sys.path.insert(0, REPO)
 
 from benchmarks.harness import MATMUL_PEAK, attention_flops_per_token, table, write_json  # noqa: E402
 from mcore_rl.metrics.plot import records_by_step  # noqa: E402
+from mcore_rl.memory.planner import LARGEST_MICRO  # noqa: E402
 
 PHASES = ("timing/rollout", "timing/to_train", "timing/old_log_prob", "timing/update_actor", "timing/to_rollout",
           "timing/offload_trainer", "timing/resume_weights", "sync/seconds", "sync/begin_end_seconds",
           "sync/gather_seconds", "sync/send_seconds", "sync/engine_call_seconds", "sync/engine_wait_seconds",
           "timing/offload_weights", "timing/resume_kv_cache")
 MEMORY_PHASES = ("train", "sync", "rollout", "save")
+TRAIN_AT_ALLOCATOR_PEAK = "memory/gpu_at_allocator_peak_gib_train"  # the trainer's reading (actor.memory)
 # the loop's memory metrics (mcore_rl.memory.monitor), reported per step
 MEMORY = (*(f"memory/gpu_peak_gib_{ph}" for ph in MEMORY_PHASES),
           *(f"memory/trainer_max_{k}_gib_{p}" for p in ("onload", "old_log_prob", "update")
             for k in ("allocated", "reserved")), "memory/trainer_offloaded_allocated_gib",
           "memory/trainer_offloaded_reserved_gib", "memory/trainer_max_reserved_gib_sync",
           "memory/host_rss_peak_gib_save", "memory/host_pss_peak_gib_save",
-          *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout")), "timing/save", "checkpoint/state_gib")
+          *(f"memory/host_pss_peak_gib_{ph}" for ph in ("train", "rollout", "sync")), "timing/save", "checkpoint/state_gib",
+          "plan/gpu_gib_step_train", *LARGEST_MICRO, TRAIN_AT_ALLOCATOR_PEAK)
 
 
 MISMATCH = ("logp_diff_abs_mean", "token_mult_prob_error", "route_agreement")  # engine vs trainer, each step
 
 
+def train_peak(step: dict) -> float | None:
+    """The train phase's GPU peak: NVML's sampled one, or the trainer's reading at its allocator's
+    peak where the sampler missed it (it can: a peak shorter than its 50 ms)."""
+    got = [step[k] for k in ("memory/gpu_peak_gib_train", TRAIN_AT_ALLOCATOR_PEAK) if step.get(k)]
+    return max(got, default=None)
+
+
+def train_vs_step_plan(steps: list[dict]) -> dict:
+    """The train phase's peak (`train_peak`) against the plan for what the step ran
+    (plan/gpu_gib_step_train: the plan's model at the step's largest micro-batch), at the step where
+    they differ most."""
+    pairs = [(train_peak(s), s["plan/gpu_gib_step_train"], s.get("step")) for s in steps
+             if train_peak(s) and s.get("plan/gpu_gib_step_train")]
+    if not pairs:
+        return {}
+    measured, planned, step = max(pairs, key=lambda p: abs(p[0] / p[1] - 1))
+    return {"step_planned_gib": round(planned, 2), "step_measured_gib": round(measured, 2),
+            "over_step_plan_pct": round(100 * (measured / planned - 1), 1), "at_step": step}
+
+
+def host_vs_plan(memory_max: dict, planned: dict) -> dict:
+    """The node's host PSS, the most of any phase of steps 2..N, against the host plan's fullest node."""
+    measured = max((v for k, v in memory_max.items() if k.startswith("memory/host_pss_peak_gib_") and v), default=None)
+    plan = planned.get("host")
+    return {"measured_pss_gib": measured, "planned_gib": plan,
+            "over_plan_pct": round(100 * (measured / plan - 1), 1) if measured and plan else None}
+
+
 def at_peak(step: dict) -> dict:
-    """Who held each phase's GPU peak: `memory/gpu_at_peak_gib_{phase}_{role}` (GPU runs)."""
-    return {k: v for k, v in sorted(step.items()) if k.startswith("memory/gpu_at_peak_gib_")}
+    """Who held each phase's GPU and host PSS peak: `memory/{gpu,host_pss}_at_peak_gib_{phase}_{role}` (GPU runs)."""
+    return {k: v for k, v in sorted(step.items()) if k.startswith(("memory/gpu_at_peak_gib_", "memory/host_pss_at_peak_gib_"))}
 
 
 # each mode's settings, before the command line's overrides (which win)
@@ -285,6 +317,9 @@ def main() -> int:
             planned["components"] = {ph: {c: round(b / 2**30, 3) for c, b in comps.items()}
                                      for ph, comps in plan.phases.items()}
             planned["micro_batch"] = {"tokens": plan.inputs.micro_tokens, "recompute": plan.inputs.recompute}
+            if plan.host is not None:
+                planned["host"] = round(plan.host.total(plan.host.fullest) / 2**30, 2)
+                planned["host_items"] = {k: round(v / 2**30, 3) for k, v in plan.host.nodes[plan.host.fullest].items()}
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             planned = {"error": str(e)}
     first = steps.get(1, {})
@@ -295,6 +330,8 @@ def main() -> int:
                     "over_plan_pct": round(100 * (memory_max[f"memory/gpu_peak_gib_{ph}"] / planned[ph] - 1), 1)
                     if memory_max.get(f"memory/gpu_peak_gib_{ph}") and isinstance(planned.get(ph), float) else None}
                for ph in MEMORY_PHASES}
+    vs_plan["train"].update(train_vs_step_plan(timed))  # beside the bound: every micro-batch full
+    vs_plan["host"] = host_vs_plan(memory_max, planned)
     # each offload's GB/s per GPU: the bytes the busiest rank moved over the phase's seconds (issue 46's bound:
     # scripts/gpu/host_bandwidth.py on the same node)
     offload_gbs = {k: (med(f"memory/moved_gib_{k}") * 2**30 / 1e9 / med(f"timing/{k}"))
@@ -335,6 +372,8 @@ def main() -> int:
         v, ph = memory_max[m], m.rsplit("_", 1)[-1]
         plan_v = planned.get(ph, "not planned") if m.startswith("memory/gpu_") else ""
         print(f"{m:<32}{'not measured' if v is None else round(v, 3):>14}{plan_v:>14}")
+    print("train vs the step's plan:", vs_plan["train"].get("over_step_plan_pct", "not measured"), "%; host vs plan:",
+          vs_plan["host"]["over_plan_pct"], "%")
     print("offload GB/s per GPU:", {k: v and round(v, 1) for k, v in offload_gbs.items()})
     print("whole run (sampled here):", {k: round(v, 2) for k, v in run_peaks.items()} or "not measured")
     return 0

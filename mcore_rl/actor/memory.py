@@ -140,8 +140,21 @@ class MemoryMoves:
         return torch.cuda.mem_get_info(self.device)[0]
 
     def _allocator_peak(self, name: str) -> None:
-        """Record this process's allocator peaks since the last record (GPU), then reset them."""
+        """Record this process's allocator peaks since the last record (GPU), then reset them; after
+        the update, also the GPU's use at that peak (`_gpu_at_allocator_peak`)."""
         if self.device.type == "cuda":
             self._peaks[f"memory/trainer_max_allocated_gib_{name}"] = torch.cuda.max_memory_allocated() / 2**30
             self._peaks[f"memory/trainer_max_reserved_gib_{name}"] = torch.cuda.max_memory_reserved() / 2**30
+            if name == "update":
+                self._peaks["memory/gpu_at_allocator_peak_gib_train"] = self._gpu_at_allocator_peak() / 2**30
             torch.cuda.reset_peak_memory_stats()
+
+    def _gpu_at_allocator_peak(self) -> int:
+        """The most any trainer GPU held at its allocator's peak, all processes counted: that peak
+        plus what the GPU holds outside this allocator now (the engine's released share, this
+        process's CUDA context and NCCL), which the train phase leaves as it is. The phase monitor
+        samples NVML every 50 ms and can miss an update's peak (a 4 x H200 run read less than the
+        allocator's own peak plus the engine's share)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside = total - free - torch.cuda.memory_reserved(self.device)
+        return self._max_over_ranks([torch.cuda.max_memory_reserved(self.device) + outside])[0]

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from mcore_rl.loop import micro_batches as mb
+from mcore_rl.memory.planner import LARGEST_MICRO
 from mcore_rl.loop import schedule
 from mcore_rl.parallel import optimizer as optim
 from mcore_rl.actor.logprobs import token_logprobs
@@ -19,6 +20,7 @@ class Update:
         batch = self._added(batch, added)
         self._writes_done()
         a = self.cfg["actor"]
+        self._largest_micro = dict.fromkeys(LARGEST_MICRO, 0)
         keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
                 "rollout_is_weights", "routes")
         out = self._epochs(self.model, self.opt, self._local(batch, keys), self._policy_loss, a["ppo_epochs"],
@@ -27,6 +29,7 @@ class Update:
             out["actor/kl_coef"] = a["kl_loss_coef"]
         self._allocator_peak("update")
         out.update(self._peaks)  # onload, old log-probs and update: where the train phase's peak comes from
+        out.update(self._largest_micro)  # what the step's plan is evaluated at (Plan.train_at)
         return out if self._is_reporter() else None
 
     def update_critic(self, batch: dict, added: dict | None = None) -> dict | None:
@@ -75,6 +78,8 @@ class Update:
         with record_function("actor/pack"):
             plan = self._micro_plan(mb.sample_lengths(d["attention_mask"]), sizes)
             packs = self._packs(d, mask.shape[1], plan)
+            if model is self.model:  # the plan counts the policy's activations
+                self._note_largest(packs)
             # everything the losses read goes to the device before the schedule starts, and the
             # stats stay there until it ends: no host sync between micro-batches
             micros = [{key: v[rows].to(self.device) for key, v in d.items() if key != "routes"} for rows, _ in plan]
@@ -98,6 +103,12 @@ class Update:
         _, gnorm = optim.step(model, opt)  # DP/expert-DP/TP-SP/PP-embedding grad reductions, clipping, step
         values = torch.stack([v.to(self.device) for v in totals.values()]).tolist() if totals else []
         return {**dict(zip(totals, values)), "actor/grad_norm": gnorm}
+
+    def _note_largest(self, packs: list[mb.Packed]) -> None:
+        """The largest micro-batch this update has run, over every rank: its packed tokens (equal on
+        all ranks), log-prob rows and longest sequence (each the max over micro-batches and ranks)."""
+        seen = self._max_over_ranks(mb.largest(packs))
+        self._largest_micro = {k: max(v, s) for (k, v), s in zip(self._largest_micro.items(), seen)}
 
     def _policy_loss(self, logits, packed, d, agg):
         from mcore_rl.algos.losses import agg_loss, kl_loss, policy_loss

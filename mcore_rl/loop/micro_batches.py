@@ -108,6 +108,14 @@ class Packed:
         return torch.where(mask, picked, torch.zeros_like(picked))
 
 
+def largest(packs: list[Packed]) -> list[int]:
+    """[packed tokens, log-prob rows, longest sequence] of the largest of `packs`, each its own max
+    (the memory plan's inputs for a step: mcore_rl.memory.planner.Plan.train_at). The longest is
+    the longest segment attention runs over: a filler that pads a rank to the others' length is one."""
+    return [max(p.length for p in packs), max(p.response_rows.numel() for p in packs),
+            max(p.max_seqlen for p in packs)]
+
+
 def sample_lengths(attention_mask: torch.Tensor) -> list[int]:
     return attention_mask.sum(1).tolist()
 

@@ -8,6 +8,7 @@ from mcore_rl.config import sections as C
 from mcore_rl.loop.groups import ActorGroup
 from mcore_rl.memory.colocate import Colocation
 from mcore_rl.memory.monitor import PhaseMonitor, local_pids
+from mcore_rl.memory.planner import LARGEST_MICRO
 
 
 class Phases:
@@ -16,7 +17,7 @@ class Phases:
     `resume` (the sync, when not colocated; colocated, the engine's KV cache back)."""
 
     def __init__(self, cfg: C.Config, group: ActorGroup, engine, sync, plan=None):
-        self.sync, self.colo = sync, None
+        self.sync, self.colo, self.plan = sync, None, plan
         # per-phase peaks: this node's GPUs (NVML), host RSS of this node's trainer and engine
         # actors and their children (checkpoint writers); the embedded engine is the trainer itself
         engines = engine.actors if isinstance(getattr(engine, "actors", None), list) else []
@@ -68,6 +69,15 @@ class Phases:
             out.update({f"memory/moved_gib_{k}": max(v) / 2**30 for k, v in self.colo.moved.items() if v})
         self.mon.enter("rollout")
         return out
+
+    def planned(self, metrics: dict) -> dict:
+        """The train phase's plan for the step just run (GiB): the plan's own model at the largest
+        micro-batch the update ran (Plan.train_at); the start-up plan/gpu_gib_train, every
+        micro-batch full, stays the bound the plan was checked against."""
+        tokens, rows = (metrics.get(k) for k in LARGEST_MICRO[:2])
+        if self.plan is None or not tokens:
+            return {}
+        return {"plan/gpu_gib_step_train": self.plan.train_at(int(tokens), int(rows)) / 2**30}
 
 
 class _Trainer:

@@ -168,6 +168,7 @@ def _loop(cfg, group: ActorGroup, source: BatchSource, phases: Phases, train_tas
             with clock("validate"):
                 after.update(validate(cfg, source.validation_engine, val_task))
         metrics.update({**after, **clock.times, **phases.mon.take()})  # the peaks: rollout, train, save, sync
+        metrics.update(phases.planned(metrics))  # and the train phase's plan at the micro-batches it ran
         log.step(step, metrics, ckpt)
     ckpt.finish()
     log.close()

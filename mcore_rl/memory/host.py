@@ -11,12 +11,19 @@ rank (PP stage s = r // (world / pp): megatron's rank order puts PP outermost):
                            leaves out), and as many bytes again: megatron's HybridDeviceOptimizer
                            keeps pinned fp32 copies of that share's main params and grads (4 + 4 B)
   reference model          the reference weights (use_kl_loss or use_kl_in_reward, memory.offload_ref)
-  checkpoint save staging  max(2 GiB, 5 % of the rank's state incl. host moments): the checkpoint
-                           writer's bound; always counted, as the final step saves
+  checkpoint save staging  max(2 GiB, 5 % of what the rank saves: its state incl. host moments, or
+                           its weights with trainer.save_optimizer false): the checkpoint
+                           writer's bound; with the states on the GPU at a save (not offloaded:
+                           kept, not colocated, or the embedded engine) the rank's weights too,
+                           which megatron's save stages on the host (measured on 4 x H200 at
+                           27 Moonlight layers, states kept: a model-only save of 4 x 9.62 GiB of
+                           weights raised the node's PSS by 43.2 GiB); none when the run never
+                           saves (trainer.save_freq <= 0 and not trainer.save_last)
   trainer process          torch, megatron and the CUDA context's host side (memory.host_trainer_process_gb)
 and per engine rank (a GPU of an SGLang or vLLM engine) its process with its share of the
-tokenizer/detokenizer processes (memory.host_engine_process_gb). The process baselines were
-measured on one H100 at Moonlight widths (below).
+tokenizer/detokenizer processes (memory.host_engine_process_gb). The process baselines are fitted
+on the node's PSS, less the planned items, of the H200 loop runs since the grads stopped being pinned
+(fe9ce60; below).
 
 Node RAM: cluster.host_memory_gb, else this machine's MemTotal where it is a node of the run (its
 GPUs are visible, as the GPU capacity then comes from them); elsewhere the plan is shown, not checked.
@@ -33,11 +40,14 @@ from mcore_rl.memory.planner import (GiB, Plan, MemoryPlanError, PlanInputs, mak
                                      trainer_bytes)
 from mcore_rl.models.config import HFModel
 
-# measured on one H100 at Moonlight widths (benchmarks/RESULTS.md at d90d714, issue 24): a trainer rank's RSS
-# beside its pinned buffers was 7.4 GiB (torch, megatron, the CUDA context's host side, NCCL); an
-# SGLang engine rank's processes 4.3 GiB (scheduler 2.2, detokenizer 1.0, its Ray actor 1.05)
-TRAINER_PROCESS_GB = 8.0
-ENGINE_PROCESS_GB = 4.5
+# A trainer rank and the engine rank on its GPU: 7.2-9.0 GiB of the node's PSS beside the planned items
+# on the nine H200 loop runs since fe9ce60 (bbf4835 to 2c0a7f5: Moonlight at 4, 16 and 27 layers, states
+# kept or offloaded, 1-4 GPUs; docs/memory.md), 8 GiB the pair. The split follows issue 24's RSS on one
+# H100 (trainer 7.4 GiB, engine rank 4.3), which counted shared pages in every process (8 + 4.5 GiB
+# was planned from it: 56 % over the PSS of the 27-layer runs). The monitor's
+# memory/host_pss_at_peak_gib_{phase}_{role} measures the split.
+TRAINER_PROCESS_GB = 5.0
+ENGINE_PROCESS_GB = 3.0
 CKPT_STAGING_MIN, CKPT_STAGING_SHARE = 2 * GiB, 0.05  # the checkpoint writer's staging bound per rank
 
 STATES = "trainer states, pinned"
@@ -72,6 +82,9 @@ class HostInputs:
     engine_gpus: tuple[int, ...] = ()  # cluster-global GPUs with an engine rank
     offload_train_states: bool = True  # effective: colocated with an engine that is not embedded
     ref_on_host: bool = False
+    saves: bool = True  # the run writes a checkpoint (trainer.save_freq > 0 or trainer.save_last)
+    save_optimizer: bool = True  # and the optimizer's states in it
+    save_stages_weights: bool = False  # the states are on the GPU when it does: their weights are staged
     ram: int | None = None  # bytes per node; None: not checked
     ram_source: str = NOT_GIVEN
     trainer_process: int = int(TRAINER_PROCESS_GB * GiB)
@@ -81,13 +94,15 @@ class HostInputs:
     def from_config(cls, cfg) -> "HostInputs":
         from mcore_rl.config.checks import rollout_gpus
 
-        c, m, r, a, alg = cfg.cluster, cfg.memory, cfg.rollout, cfg.actor, cfg.algorithm
+        c, m, r, a, alg, t = cfg.cluster, cfg.memory, cfg.rollout, cfg.actor, cfg.algorithm, cfg.trainer
         total, gpu = c.nnodes * c.n_gpus_per_node, c.device == "gpu"  # the offloaders move CUDA tensors only
         engine = () if r.engine == "embedded" else tuple(range(total - rollout_gpus(cfg), total))
         ram, source = node_ram(c.host_memory_gb)
         gb = lambda v, default: int((default if v is None else v) * GiB)  # noqa: E731
+        offload = gpu and bool(engine) and c.colocate and m.offload_train_states
         return cls(nnodes=c.nnodes, gpus_per_node=c.n_gpus_per_node, engine_gpus=engine,
-                   offload_train_states=gpu and bool(engine) and c.colocate and m.offload_train_states,
+                   offload_train_states=offload, saves=t.save_freq > 0 or t.save_last, save_optimizer=t.save_optimizer,
+                   save_stages_weights=gpu and not offload,
                    ref_on_host=gpu and m.offload_ref and (a.use_kl_loss or alg.use_kl_in_reward),
                    ram=ram, ram_source=source,
                    trainer_process=gb(m.host_trainer_process_gb, TRAINER_PROCESS_GB),
@@ -161,10 +176,12 @@ def rank_host_bytes(hf: HFModel, i: PlanInputs, h: HostInputs, stage: int) -> di
     host_moments = moment_bytes(optimizer_elements(hf, i, n), i.optimizer_offload_fraction)[1]
     on_gpu = t["megatron weights"] + t["megatron grads"] + t["megatron optimizer"]
     pinned = on_gpu - t["megatron grads"]
+    saved = on_gpu + host_moments if h.save_optimizer else t["megatron weights"]
     return {STATES: pinned if h.offload_train_states else 0,
             OPT: 2 * host_moments,  # the moments, and megatron's fp32 param + grad copies of that share
             REF: t["megatron weights"] if h.ref_on_host else 0,
-            CKPT: max(CKPT_STAGING_MIN, math.ceil(CKPT_STAGING_SHARE * (on_gpu + host_moments))),
+            CKPT: h.saves * (max(CKPT_STAGING_MIN, math.ceil(CKPT_STAGING_SHARE * saved))
+                             + h.save_stages_weights * t["megatron weights"]),
             TRAINER: h.trainer_process}
 
 

@@ -17,7 +17,9 @@ and keep, per phase, the largest reading taken while that phase was current:
 With `roles` ({pid: "trainer" | "engine" | ...}), the reading that sets a phase's GPU peak is
 also split by process (NVML's per-process figures on that GPU; each role is its pids and their
 descendants): `memory/gpu_at_peak_gib_{phase}_{role}`, and `..._other` for the rest of "used"
-(unwatched processes, the driver's own reservation). That says who holds a phase's peak.
+(unwatched processes, the driver's own reservation). That says who holds a phase's peak. With
+`pss` too, the host PSS reading that sets a phase's peak is split the same way,
+`memory/host_pss_at_peak_gib_{phase}_{role}`: the host plan's trainer and engine processes.
 
 Samples taken while no phase is current are dropped, and so is any reading during which the phase
 changed: a PSS walk of a large process takes longer than a colocated phase switch, and its
@@ -157,15 +159,16 @@ class PhaseMonitor:
         ours = {proc.pid for proc in tree}
         top = max([g for g in gpus if ours & usage[g.index].keys()] or gpus, key=lambda g: g.used)
         split = split_by_role(top.used, usage[top.index], roles, tree) if roles else None
-        self._keep(phase, entered, {"gpu": top.used}, split)
+        self._keep(phase, entered, {"gpu": top.used}, {"gpu": split} if split else None)
 
     def _sample_host(self) -> None:
         with self._lock:
-            phase, pids, entered = self._phase, set(self._pids), self._entered
+            phase, pids, entered, roles = self._phase, set(self._pids), self._entered, dict(self._roles)
         if phase is None:
             return
-        reading = {}  # no host keys when no watched process could be read: absent, not 0
-        for p in _process_tree(pids):
+        reading, pss = {}, {}  # no host keys when no watched process could be read: absent, not 0
+        tree = _process_tree(pids)
+        for p in tree:
             if p.pid not in pids and _shares_parent_memory(p.pid):
                 continue
             try:
@@ -175,20 +178,29 @@ class PhaseMonitor:
             reading["host_rss"] = reading.get("host_rss", 0) + m.rss
             if self.pss:
                 reading["host_pss"] = reading.get("host_pss", 0) + m.pss
-        self._keep(phase, entered, reading)
+                pss[p.pid] = m.pss
+        # PSS by role (the host plan's trainer and engine processes), as the GPU's split; every
+        # process read is a role's, so no "other"
+        split = split_by_role(reading["host_pss"], pss, roles, tree) if roles and pss else None
+        if split:
+            del split["other"]
+        self._keep(phase, entered, reading, {"host_pss": split} if split else None)
 
-    def _keep(self, phase: str, entered: int, reading: dict[str, int], split: dict[str, int] | None = None) -> None:
-        """Record `reading` as `phase`'s, unless the phase changed since the sample began; `split`
-        (the GPU reading by role) replaces the phase's split when the reading is its new peak."""
+    def _keep(self, phase: str, entered: int, reading: dict[str, int],
+              splits: dict[str, dict[str, int]] | None = None) -> None:
+        """Record `reading` as `phase`'s, unless the phase changed since the sample began; `splits`
+        (a reading by role: the GPU's, the host PSS's) replaces the phase's split of that reading
+        when the reading is its new peak."""
         with self._lock:
             if self._entered != entered:
                 return
             for what, b in reading.items():
-                key = f"memory/{what}_peak_gib_{phase}"
-                if what == "gpu" and split is not None and b > self._peaks.get(key, -1):
-                    for k in [k for k in self._peaks if k.startswith(f"memory/gpu_at_peak_gib_{phase}_")]:
+                key, split = f"memory/{what}_peak_gib_{phase}", (splits or {}).get(what)
+                if split is not None and b > self._peaks.get(key, -1):
+                    at = f"memory/{what}_at_peak_gib_{phase}_"
+                    for k in [k for k in self._peaks if k.startswith(at)]:
                         del self._peaks[k]
-                    self._peaks.update({f"memory/gpu_at_peak_gib_{phase}_{r}": v for r, v in split.items()})
+                    self._peaks.update({at + r: v for r, v in split.items()})
                 self._peaks[key] = max(self._peaks.get(key, 0), b)
 
 

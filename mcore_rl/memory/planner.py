@@ -92,6 +92,7 @@ after its table, and refused (HostPlanError, a MemoryPlanError) once the GPU pla
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -130,6 +131,10 @@ DISPATCH_COPIES = 2  # hidden-state copies of each routed token an MoE layer kee
 HEAD_PLAIN = 14  # bytes per response token and vocabulary entry of the autograd log-prob chain
 HEAD_FUSED = 2  # the same through mcore_rl.models.head: the bf16 rows it keeps
 RECOMPUTE_MODES = ("none", "full", "selective")
+# the update's largest micro-batch, logged each step (packed tokens, log-prob rows, longest sequence):
+# Plan.train_at evaluates the train phase at the first two
+LARGEST_MICRO = ("memory/micro_batch_tokens", "memory/micro_batch_response_tokens",
+                 "memory/micro_batch_longest_sequence")
 
 @dataclass(frozen=True)
 class PlanInputs:
@@ -217,9 +222,18 @@ class Plan:
     worst_stage: dict[str, int]
     notes: list[str] = field(default_factory=list)
     host: HostPlan | None = None  # host memory per node (mcore_rl.memory.host), when planned
+    hf: HFModel | None = field(default=None, repr=False)  # the model planned (make_plan sets it)
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
+
+    def train_at(self, tokens: int, response_tokens: int) -> int:
+        """The train phase's bytes by this plan's own model for a step whose largest micro-batch
+        packed `tokens` tokens with `response_tokens` log-prob rows: what the step should have used.
+        The plan's own train phase is this at the budget, every micro-batch full: the bound a plan
+        is refused by."""
+        at = dataclasses.replace(self.inputs, micro_tokens=tokens, response_tokens=min(response_tokens, tokens))
+        return sum(train_phase(self.hf, at)[0].values())
 
     def resume_needs(self) -> dict[str, int]:
         """Bytes each engine resume takes, by tag (the Colocation's guard): the weights, then the KV
@@ -395,9 +409,9 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
     memory is added by mcore_rl.memory.host.plan_with_host)."""
     stages = [trainer_bytes(hf, i, s) for s in range(i.pp)]
     states = ("megatron weights", "megatron grads", "megatron optimizer")
-    worst_train = max(range(i.pp), key=lambda s: sum(stages[s].values()))
+    train, worst_train = train_phase(hf, i, stages)
     worst_rest = max(range(i.pp), key=lambda s: sum(stages[s][k] for k in states))
-    train, rest = stages[worst_train], stages[worst_rest]
+    rest = stages[worst_rest]
     # kept states: the grads are freed all the same (Colocation.offload), the rest stays
     residue = {} if i.offload_train_states else {**{k: rest[k] for k in states if k != "megatron grads"},
                                                   "trainer cache (kept states)": KEPT_STATES_SLACK}
@@ -417,12 +431,12 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
     kv = max(0, int(f * max(P, 0)) - w_engine)  # a GPU smaller than what is always reserved: no KV at all
     per_token = kv_bytes_per_token(hf, i.rollout_tp)
     phases = {
-        "train": {**always, **pinned, **train},
+        "train": train,
         "sync": {**always, **pinned, **residue, **synced_from, **buckets, "engine weights": w_engine},
         "rollout": {**always, **pinned, **residue, "engine weights": w_engine, "engine kv cache": kv,
                     "engine cuda graphs": graphs, "engine activations": act_engine},
     }
-    plan = Plan(i, phases, f, kv // per_token, {"train": worst_train, "other": worst_rest})
+    plan = Plan(i, phases, f, kv // per_token, {"train": worst_train, "other": worst_rest}, hf=hf)
     plan.notes.append(f"engine weights per rank {w_engine / GiB:.2f} GiB; KV {per_token:,} B/token")
     if (i.max_running_requests or 0) > i.cuda_graph_max_bs:
         plan.notes.append(f"decode batches of {i.cuda_graph_max_bs + 1}-{i.max_running_requests} run without "
@@ -437,6 +451,15 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
                         f"the KV cache at mem_fraction_static={f:.2f} holds {kv // per_token} tokens, "
                         f"less than one sequence of {i.seq_len}")
     return plan
+
+
+def train_phase(hf: HFModel, i: PlanInputs, stages: list[dict[str, int]] | None = None) -> tuple[dict[str, int], int]:
+    """The train phase's components on the GPU of the worst PP stage, and that stage (`stages`: each
+    stage's trainer_bytes, where the caller has them)."""
+    stages = stages or [trainer_bytes(hf, i, s) for s in range(i.pp)]
+    worst = max(range(i.pp), key=lambda s: sum(stages[s].values()))
+    pinned = {"engine cuda graphs": cuda_graph_bytes(hf, i)} if i.hook_mode == "torch" else {}
+    return {"reserved (contexts, NCCL)": i.reserved, **pinned, **stages[worst]}, worst
 
 
 def _why(plan: Plan, phase: str) -> str:

@@ -142,14 +142,17 @@ def _draw_phases(ax, series: Series) -> None:
 
 
 def _draw_memory(ax, series: Series) -> None:
-    """Each phase's measured peak as a line, the plan's budget for it as a dashed line in its colour."""
+    """Each phase's measured peak as a line, the plan's budget for it as a dashed line in its colour
+    (dotted where planned each step)."""
     steps = sorted({s for k, (st, _) in series.items() if "_peak_gib_" in k for s in st})
     colors = dict(zip(MEMORY_PHASES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for key, (st, values) in sorted(series.items()):
         phase = key.rsplit("_", 1)[-1]
         if "_peak_gib_" in key:
             ax.plot(st, values, marker=".", color=colors.get(phase), label=f"{phase} peak")
-        elif steps:  # plan keys are logged once, at the run's first record
+        elif len(st) > 1:  # a plan of each step (plan/gpu_gib_step_train: for the micro-batches it ran)
+            ax.plot(st, values, linestyle=":", color=colors.get(phase, "black"), label=key.removeprefix("plan/"))
+        elif steps:  # the start-up plan's keys are logged once, at the run's first record
             ax.hlines(values[-1], min(steps), max(steps), colors=colors.get(phase, "black"),
                       linestyles="--", label=key.removeprefix("plan/"))
 

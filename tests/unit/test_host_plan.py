@@ -63,7 +63,11 @@ def test_what_lives_on_the_host_follows_the_config():
                       "memory.host_trainer_process_gb=1.5")
     node = plan.host.nodes[0]
     assert node[H.STATES] == node[H.OPT] == node[H.REF] == node[H.ENGINE] == 0  # no KL: no reference model
-    assert node[H.TRAINER] == 8 * int(1.5 * GiB) and node[H.CKPT] == 8 * 2 * GiB  # a 26 GiB state: 2 GiB floor
+    # a 26 GiB state: the writer's 2 GiB floor, and the weights a save stages from the GPU (states kept there)
+    weights = plan.phases["train"]["megatron weights"]
+    assert node[H.TRAINER] == 8 * int(1.5 * GiB) and node[H.CKPT] == 8 * (2 * GiB + weights)
+    _, never = plan_of("memory.offload_train_states=false", "trainer.save_freq=-1", "trainer.save_last=false")
+    assert never.host.nodes[0][H.CKPT] == 0  # a run that never saves stages nothing
     # engines on GPUs of their own: node 0 trains (nothing to offload), node 1 holds the engine ranks only
     _, plan = plan_of("cluster.colocate=false", "cluster.rollout_gpus=8", "rollout.tp_size=8", "rollout.ep_size=8")
     n0, n1 = plan.host.nodes

@@ -299,3 +299,28 @@ def test_gpu_peak_is_read_on_this_runs_gpus_only(helper, monkeypatch):
         fallback = mon.take()
     assert ours["memory/gpu_peak_gib_train"] == 21 and ours["memory/gpu_at_peak_gib_train_trainer"] == 20
     assert fallback["memory/gpu_peak_gib_train"] == 71
+
+
+def test_host_pss_peak_split_by_role(helper):
+    """The host PSS reading that sets a phase's peak is split by role, as the GPU's: a trainer whose
+    child holds ALLOC, an engine holding ALLOC / 3; the roles add up to the peak (real processes,
+    their own /proc readings)."""
+    p, ask = helper
+    ask(f"child {ALLOC}")
+    engine = subprocess.Popen([sys.executable, "-c", HELPER, CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        engine.stdin.write(f"alloc {ALLOC // 3}\n")
+        engine.stdin.flush()
+        assert engine.stdout.readline().strip() == "ok"
+        with PhaseMonitor(interval_s=0.01, pss=True, gpu=False, roles={p.pid: "trainer", engine.pid: "engine"}) as mon:
+            with mon.phase("train"):
+                settle(mon)
+            peaks = mon.take()
+    finally:
+        engine.kill()
+        engine.wait()
+    at = "memory/host_pss_at_peak_gib_train_"
+    split = {k[len(at):]: v * GiB for k, v in peaks.items() if k.startswith(at)}
+    assert split["trainer"] > ALLOC and ALLOC // 3 < split["engine"] < ALLOC
+    assert sum(split.values()) == pytest.approx(peaks["memory/host_pss_peak_gib_train"] * GiB)
