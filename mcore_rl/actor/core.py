@@ -74,12 +74,16 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         """The rest of the construction: the policy's weights from init["policy"] (each rank reads
         its own shards of the torch_dist checkpoint), the reference and critic, the optimizers."""
         from mcore_rl.models.builder import build_model
+        from mcore_rl.models.latent_width import KV_UP, latent_scales, scale_latent_init
 
         init, cfg, tcfg, attention = init or {}, self.cfg, self._tcfg, self.packed_attention
+        init_scale, lr_scale = latent_scales(self.hf.cfg, cfg["model"]["mla_base_rank"])
         if init.get("policy"):
             from mcore_rl.checkpoint.model import load_model
 
             load_model(self.model, init["policy"])
+        elif init_scale != 1.0:  # megatron's seeded init, the wide latent's as the base rank's
+            scale_latent_init(self.model, init_scale)
         self._install_route_replay(cfg)
         a, alg = cfg["actor"], cfg["algorithm"]
         self.ref, self.ref_offload = None, None
@@ -94,7 +98,8 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         self.critic = None
         if cfg["critic"]["enabled"]:
             self._build_critic(cfg, tcfg, init.get("critic"))
-        self.model, self.opt = optim.wrap(self.model, tcfg, a, **self._optim_options())
+        self.model, self.opt = optim.wrap(self.model, tcfg, a, **self._optim_options(),
+                                          lr_scale={KV_UP: lr_scale} if lr_scale != 1.0 else None)
         self.updates = 0
         self._peaks: dict[str, float] = {}  # allocator peaks per pass of the train phase (GPU)
         from mcore_rl.checkpoint.optimizer import regions

@@ -24,7 +24,7 @@ class Update:
         keys = ("tokens", "attention_mask", "response_mask", "advantages", "old_log_probs", "ref_log_probs",
                 "rollout_is_weights", "routes")
         out = self._epochs(self.model, self.opt, self._local(batch, keys), self._policy_loss, a["ppo_epochs"],
-                           self._sizes("actor"), warmup=a["lr_warmup_steps"], base_lr=a["lr"])
+                           self._sizes("actor"), warmup=a["lr_warmup_steps"])
         if self.ref is not None and a["use_kl_loss"]:
             out["actor/kl_coef"] = a["kl_loss_coef"]
         self._allocator_peak("update")
@@ -41,16 +41,15 @@ class Update:
                            c["ppo_epochs"], self._sizes("critic"))
         return {k.replace("actor/", "critic/"): v for k, v in out.items()} if self._is_reporter() else None
 
-    def _epochs(self, model, opt, d: dict, loss_fn, epochs: int, sizes: dict, warmup: int = 0,
-                base_lr: float | None = None) -> dict:
+    def _epochs(self, model, opt, d: dict, loss_fn, epochs: int, sizes: dict, warmup: int = 0) -> dict:
         mini = sizes["mini"]
         totals: dict[str, float] = {}
         steps = 0
         for _ in range(epochs):
             for chunk in mb.mini_batches(len(d["tokens"]), mini):
-                if warmup:  # linear warmup over optimizer steps
+                if warmup:  # linear warmup over optimizer steps, to each group's own lr
                     for g in opt.param_groups:
-                        g["lr"] = base_lr * min(1.0, (self.updates + 1) / warmup)
+                        g["lr"] = g["max_lr"] * min(1.0, (self.updates + 1) / warmup)
                 stats = self._optimizer_step(model, opt, {k: v[chunk.start:chunk.stop] for k, v in d.items()},
                                              loss_fn, sizes)
                 for k, v in stats.items():

@@ -207,7 +207,9 @@ def load(opt, model, files: list[str], where: dict | None = None) -> dict:
     where = where or regions(model)
     for p, s, e, main, inner in _owned(opt):
         state = inner.state[main]
-        if step is not None and not all(k in state for k in STATES):
+        if step is None:  # saved before the first update: no moments, as a new optimizer has none
+            state.clear()
+        elif not all(k in state for k in STATES):
             state.update({k: torch.zeros_like(main) for k in STATES})
         targets = {"fp32_param": main.view(-1)}
         targets.update({k: state[k].view(-1) for k in STATES if k in state})

@@ -192,6 +192,12 @@ def _check_model(cfg: Config, errors: list[str], hf: dict | None) -> bool:
     if problems:
         errors.extend(f"{where}: {p}" for p in problems)
         return False
+    if m.mla_base_rank is not None:
+        if m.hf_path is not None:
+            errors.append("model.mla_base_rank scales a random model's init; model.hf_path's weights are a "
+                          "checkpoint's (leave it null)")
+        elif "kv_lora_rank" not in hf:
+            errors.append(f"model.mla_base_rank = {m.mla_base_rank}: the model has no MLA latent (kv_lora_rank)")
     heads, layers, experts = hf["num_attention_heads"], hf["num_hidden_layers"], num_experts(hf)
     if heads % p.tp:
         errors.append(f"parallel.tp = {p.tp} must divide the model's num_attention_heads = {heads}")

@@ -49,6 +49,11 @@ class ModelConfig(Section):
     hf_config: dict[str, Any] | None = Field(None, description="or an embedded HF config dict (tiny random model)")
     tokenizer_path: str | None = Field(None, description="defaults to hf_path")
     dtype: Dtype = "bf16"
+    mla_base_rank: int | None = Field(None, ge=1, description=(
+        "an embedded MLA model (hf_config with kv_lora_rank, no hf_path): its latent's up-projection (kv_b) is "
+        "initialised with std x sqrt(base / kv_lora_rank) and stepped with actor.lr x base / kv_lora_rank (muP's "
+        "rule for a hidden weight's fan-in), so a latent widened for an engine's kernels (vLLM's CPU MLA: 512) "
+        "trains as one of this rank; null, or equal to kv_lora_rank: as every other weight"))
 
 
 class ParallelConfig(Section):

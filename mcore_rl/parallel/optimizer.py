@@ -15,7 +15,8 @@ from torch.profiler import record_function
 
 
 def wrap(model, tcfg, section: dict, grad_fp32: bool = True, *, fused_adam: bool = False,
-         overlap_grad_reduce: bool = False, bucket_size: int | None = None, offload_fraction: float = 0.0):
+         overlap_grad_reduce: bool = False, bucket_size: int | None = None, offload_fraction: float = 0.0,
+         lr_scale: dict[str, float] | None = None):
     """(DDP-wrapped model, megatron optimizer) for `model`; `section` holds lr, weight_decay,
     grad_clip and optionally use_distributed_optimizer (the actor or critic config). Without the
     distributed optimizer grads are all-reduced and every DP rank keeps the whole state.
@@ -25,10 +26,11 @@ def wrap(model, tcfg, section: dict, grad_fp32: bool = True, *, fused_adam: bool
     each grad bucket is reduce-scattered as soon as the last micro-batch's backward has filled it
     (mcore_rl.loop.schedule skips the sync on the other micro-batches); bucket_size in elements.
     offload_fraction: megatron's hybrid optimizer keeps that share of the Adam moments (and steps
-    them) on the host."""
+    them) on the host. lr_scale: {parameter-name glob: factor}, params stepped with lr x factor (their
+    own param groups, megatron's config_overrides; each group's lr is its `max_lr`)."""
     distributed = section.get("use_distributed_optimizer", True)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
 
     ddp = DistributedDataParallel(tcfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce, bucket_size=bucket_size,
@@ -40,7 +42,11 @@ def wrap(model, tcfg, section: dict, grad_fp32: bool = True, *, fused_adam: bool
         adam_beta1=0.9, adam_beta2=0.999, adam_eps=section.get("adam_eps", 1e-8),
         clip_grad=section["grad_clip"], bf16=tcfg.params_dtype == torch.bfloat16,
         fp16=tcfg.params_dtype == torch.float16, params_dtype=tcfg.params_dtype,
-        use_distributed_optimizer=distributed, **offload), [ddp])
+        use_distributed_optimizer=distributed, **offload), [ddp],
+        config_overrides={ParamKey(name=glob): {"max_lr": section["lr"] * f} for glob, f in (lr_scale or {}).items()}
+        or None)
+    for group in opt.param_groups:  # megatron's own scheduler would set them; the updates here scale max_lr
+        group["lr"] = group["max_lr"]
     if fused_adam:
         use_fused_adam(opt)
     return ddp, opt
@@ -78,11 +84,6 @@ def step(ddp, opt) -> tuple[bool, float]:
     # drop them now, not at the next update's zero_grad, so they do not sit through the rollout
     opt.zero_grad()
     return bool(ok), float(grad_norm or 0.0)
-
-
-def set_lr(opt, lr: float) -> None:
-    for group in opt.param_groups:
-        group["lr"] = lr
 
 
 def _subs(opt) -> list:

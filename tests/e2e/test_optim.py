@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
     return d
 
 
-def _setup(root, tp, ep, etp, ckpt, dtype=torch.float32, grad_fp32=True):
+def _setup(root, tp, ep, etp, ckpt, dtype=torch.float32, grad_fp32=True, lr_scale=None, section=SECTION):
     from mcore_rl.parallel import optimizer as optim
     from mcore_rl.checkpoint.model import load_model
     from mcore_rl.models.config import HFModel, transformer_config
@@ -38,7 +38,7 @@ def _setup(root, tp, ep, etp, ckpt, dtype=torch.float32, grad_fp32=True):
     tcfg = transformer_config(hf, tp=tp, ep=ep, etp=etp, dtype=dtype, cpu=True)
     model = build_model(hf, tcfg)
     load_model(model, ckpt)
-    return optim.wrap(model, tcfg, SECTION, grad_fp32)
+    return optim.wrap(model, tcfg, section, grad_fp32, lr_scale=lr_scale)
 
 
 def _train_step(ddp, opt, seed):
@@ -155,3 +155,28 @@ def test_fused_adam_steps_like_the_multi_tensor_adam(tiny):
     distributed.run(_fused_vs_foreach, 2, root)
     got = torch.load(os.path.join(root, "fused_adam0.pt"), weights_only=True)
     assert ((got[True] - got[False]).norm() / got[False].norm()).item() < 1e-5
+
+
+def _scaled_lr_step(rank, root):
+    """One Adam step with the latent's up-projection at a quarter of the lr: Adam's first step moves
+    every element with a gradient by the lr itself (eps negligible), so the largest move of each
+    parameter is its group's lr."""
+    from mcore_rl.models.latent_width import KV_UP
+
+    ddp, opt = _setup(root, 1, 1, 1, os.path.join(root, "ckpt"), lr_scale={KV_UP: 0.25},
+                      section=dict(lr=1e-3, weight_decay=0.0, grad_clip=0.0, adam_eps=1e-12))
+    before = {n: p.detach().clone() for n, p in ddp.named_parameters()}
+    assert _train_step(ddp, opt, seed=1)[0]
+    moved = {n.split("layers.")[-1]: (p.detach() - before[n]).abs().max().item() for n, p in ddp.named_parameters()}
+    torch.save(moved, os.path.join(root, "scaled_lr.pt"))
+
+
+def test_a_scaled_lr_steps_its_params_with_their_own_lr(tiny):
+    """optim.wrap's lr_scale (model.mla_base_rank's lr rule): the matching params take lr x factor
+    in groups of their own, every other param the lr."""
+    distributed.run(_scaled_lr_step, 1, str(tiny))
+    moved = torch.load(os.path.join(str(tiny), "scaled_lr.pt"), weights_only=True)
+    up = {n: v for n, v in moved.items() if "linear_kv_up_proj" in n}
+    assert len(up) == 4 and all(abs(v - 0.25e-3) < 1e-7 for v in up.values()), moved  # one a layer
+    others = [v for n, v in moved.items() if n not in up and v > 0]
+    assert len(others) > 10 and all(abs(v - 1e-3) < 1e-7 for v in others), moved

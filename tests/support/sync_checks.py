@@ -15,10 +15,11 @@ import torch
 from mcore_rl.config import sections as C
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# configs/tiny_cpu.yaml with vLLM generating (README): the MLA dims vLLM's CPU kernels take, and a task
-# that model learns in 30 steps (with a 512-wide latent, copy_last crawls: 0.06 -> 0.23, any engine)
+# configs/tiny_cpu.yaml with vLLM generating (README): the MLA dims vLLM's CPU kernels take, the latent
+# trained as the 16-wide one (mcore_rl/models/latent_width.py), and a task that model learns in 30 steps
+# (with a 512-wide latent, copy_last crawled: 0.06 -> 0.23, any engine, before mla_base_rank)
 VLLM_TINY = ("rollout.engine=vllm", "model.hf_config.kv_lora_rank=512", "model.hf_config.qk_rope_head_dim=64",
-             "data.task=constant")
+             "model.mla_base_rank=16", "data.task=constant")
 # configs/tiny_cpu.yaml as the other MoE families (README, "Model families"): Qwen3-MoE (GQA with a
 # head_dim of its own, q/k norms, softmax routing, no shared expert) and GLM-4.5 (q/k/v bias, q/k
 # norms, half the head rotated, DeepSeek-V3's sigmoid routing with bias and scaled weights)

@@ -142,6 +142,12 @@ CASES = [
          "model.hf_config: num_attention_heads = 4 does not divide hidden_size = 66"),
     Case("hidden_act not SwiGLU", CONFIG[:3], ("model.hf_config.hidden_act=gelu",),
          "model.hf_config: hidden_act 'gelu' is not supported"),
+    Case("MLA base rank without a latent", CONFIG, (LLAMA_66.replace("66", "64"), "parallel.ep=1",
+                                                    "model.mla_base_rank=16"),
+         "model.mla_base_rank = 16: the model has no MLA latent (kv_lora_rank)"),
+    Case("MLA base rank of a checkpoint", CONFIG[:3],
+         ("model.hf_config=null", "model.hf_path={d}/deepseek_v3", "model.mla_base_rank=16"),
+         "model.mla_base_rank scales a random model's init; model.hf_path's weights are a checkpoint's"),
     Case("config.json without a size", CONFIG[:3], ("model.hf_config=null", "model.hf_path={d}/no_vocab"),
          "{d}/no_vocab/config.json: lacks vocab_size"),
     # model and tokenizer directories: the run reads them; a dry run plans for a cluster that has them
@@ -306,6 +312,7 @@ def _write_fixtures(d) -> None:
     for key, family in (("hidden_size", "llama"), ("kv_lora_rank", "deepseek_v3"), ("vocab_size", "qwen2")):
         hf_dir(f"no_{key}", family, **{key: None})
     hf_dir("no_vocab", "qwen2", vocab_size=None)
+    hf_dir("deepseek_v3", "deepseek_v3")
 
 
 def _dump_fixtures(d) -> None:
