@@ -69,4 +69,6 @@ def _started_from_hf(log: str, hf: str, run_dir: str) -> None:
     assert phases[1:4] == ["building the trainer's model (2 ranks)",
                            f"reading the initial weights, each rank its shard of {hf}", "making the optimizer"], log
     assert re.search(r"^initial weights: 2 ranks read [\d.]+ GiB \([\d.]+-[\d.]+ GiB a rank\) in [\d.]+ s", log, re.M), log
-    assert not os.path.exists(os.path.join(run_dir, "init_mcore"))
+    copies = [d for d, _, files in os.walk(run_dir) if "metadata.json" in files  # a torch_dist checkpoint
+              and os.path.relpath(d, run_dir).split(os.sep)[0] != "checkpoints"]
+    assert not copies, copies
