@@ -38,13 +38,13 @@ def load_hf(model, hf_dir: str, hf: HFModel, skip=lambda name: False) -> Loaded:
     """Fill every parameter and buffer of this rank's `model` from the HF checkpoint at `hf_dir`
     (a model of config `hf`), but those whose unsharded name `skip(name)` is true (a critic's
     value head). Every rank of the model's layout calls this; no collective runs."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
     t0 = time.perf_counter()
     model = unwrap(model)
     ckpt = HFCheckpoint.of_model(hf_dir, hf)
     params = mapping_for(hf).by_mcore(hf)
     global_name = global_names(model, hf.num_experts)
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
     filled = set()
     with torch.no_grad():
         for name, item in sharded_state_dict(model).items():
