@@ -476,7 +476,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def trainer_model(cfg, gpu: bool):
-    """The policy as the trainer builds it (seeded init, or model.hf_path converted), one process."""
+    """The policy as the trainer builds it (seeded init, or model.hf_path's weights read in), one process."""
     from mcore_rl.metrics import console
 
     console.quiet_fallback_warnings()
@@ -499,11 +499,14 @@ def trainer_model(cfg, gpu: bool):
 
 def export(cfg, model, work: str) -> str:
     """An HF directory of `model`'s weights (the converter's export), or model.hf_path loaded into it."""
-    from mcore_rl.convert.hf_mcore import hf_to_mcore, mcore_to_hf
-    from mcore_rl.checkpoint.model import load_model, save_model
+    from mcore_rl.convert.hf_mcore import mcore_to_hf
+    from mcore_rl.checkpoint.model import save_model
 
     if cfg.model.hf_path:
-        load_model(model, hf_to_mcore(cfg.model.hf_path, os.path.join(work, "mcore"), dtype=cfg.model.dtype))
+        from mcore_rl.checkpoint.hf_init import load_hf
+        from mcore_rl.models.config import HFModel
+
+        load_hf(model, cfg.model.hf_path, HFModel.from_dir(cfg.model.hf_path))  # as the loop's trainer starts
         return cfg.model.hf_path
     import transformers
 

@@ -23,10 +23,10 @@ from mcore_rl.config.checks import recompute_choice
 class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Lockstep):
     def __init__(self, rank: int, world: int, master_port: int, hf_dir: str, cfg: dict,
                  master_addr: str = "127.0.0.1", init: dict | None = None, build_only: bool = False):
-        """init: torch_dist checkpoints to start from, {"policy": dir|None, "critic": dir|None};
-        without one the policy keeps megatron's seeded init and the critic copies the policy.
-        build_only: stop after building the policy on the device; `load_initial(init)` completes
-        the construction (a driver times the two apart)."""
+        """init: HF checkpoints to start from, {"policy": dir|None, "critic": dir|None}; without one
+        the policy keeps megatron's seeded init and the critic copies the policy. build_only: stop
+        after building the policy on the device; `read_initial(init)` and `load_initial(init)`
+        complete the construction (a driver times the three apart)."""
         # a native crash (heap corruption, a segfault) dumps every thread's Python stack, not only
         # the crashing one's (Ray enables faulthandler for the current thread): what ran beside it
         faulthandler.enable(all_threads=True)
@@ -68,21 +68,28 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         if not build_only:
+            self.read_initial(init)
             self.load_initial(init)
 
+    def read_initial(self, init: dict | None = None) -> dict | None:
+        """The policy's weights from the HF checkpoint init["policy"], if any: this rank reads only
+        the tensors of its own shard. Returns the bytes it read and the seconds it took."""
+        if not (init or {}).get("policy"):
+            return None
+        from mcore_rl.checkpoint.hf_init import load_hf
+
+        got = load_hf(self.model, init["policy"], self.hf)
+        return {"bytes": got.nbytes, "seconds": got.seconds}
+
     def load_initial(self, init: dict | None = None) -> None:
-        """The rest of the construction: the policy's weights from init["policy"] (each rank reads
-        its own shards of the torch_dist checkpoint), the reference and critic, the optimizers."""
+        """The rest of the construction, after `read_initial`: the reference and critic (its weights
+        from init["critic"], read as the policy's are), the optimizers."""
         from mcore_rl.models.builder import build_model
         from mcore_rl.models.latent_width import KV_UP, latent_scales, scale_latent_init
 
         init, cfg, tcfg, attention = init or {}, self.cfg, self._tcfg, self.packed_attention
         init_scale, lr_scale = latent_scales(self.hf.cfg, cfg["model"]["mla_base_rank"])
-        if init.get("policy"):
-            from mcore_rl.checkpoint.model import load_model
-
-            load_model(self.model, init["policy"])
-        elif init_scale != 1.0:  # megatron's seeded init, the wide latent's as the base rank's
+        if not init.get("policy") and init_scale != 1.0:  # megatron's seeded init, the wide latent's as the base rank's
             scale_latent_init(self.model, init_scale)
         self._install_route_replay(cfg)
         a, alg = cfg["actor"], cfg["algorithm"]
@@ -127,7 +134,7 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
         v = self.cfg["actor"]["fused_logprobs"]
         return self.device.type == "cuda" if v is None else v
 
-    def _build_critic(self, cfg, tcfg, init_ckpt):
+    def _build_critic(self, cfg, tcfg, init_hf):
         from mcore_rl.models import critic
         from mcore_rl.models.config import HFModel, transformer_config
 
@@ -138,8 +145,10 @@ class MegatronActor(Update, PerToken, RouteReplay, MemoryMoves, Checkpoints, Loc
             tcfg = transformer_config(hf, tp=p["tp"], pp=p["pp"], ep=p["ep"], etp=p["etp"],
                                       dtype=tcfg.params_dtype)
         model = critic.build_critic(hf, tcfg)
-        if init_ckpt:
-            critic.load_trunk(model, init_ckpt)
+        if init_hf:  # the trunk of another causal LM; the value head keeps its zeros
+            from mcore_rl.checkpoint.hf_init import load_hf
+
+            load_hf(model, init_hf, hf, skip=lambda name: name.startswith(critic.HEAD))
         else:
             critic.copy_trunk(self.model, model)
         self.critic, self.critic_opt = optim.wrap(model, tcfg, c, **self._optim_options())

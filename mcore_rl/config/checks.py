@@ -44,6 +44,19 @@ def require_model_dirs(cfg: Config) -> None:
             _hf_config(path, key)
 
 
+def initial_weights(cfg: Config) -> dict[str, str]:
+    """The HF checkpoints a run starts from: {"policy": model.hf_path, "critic": an enabled critic's
+    hf_path where it is another model}; none for an embedded model.hf_config (megatron's seeded init).
+    Each trainer rank reads its own shard of them (MegatronActor.read_initial)."""
+    m, c = cfg.model, cfg.critic
+    if not m.hf_path:
+        return {}
+    init = {"policy": m.hf_path}
+    if c.enabled and c.hf_path and os.path.abspath(c.hf_path) != os.path.abspath(m.hf_path):
+        init["critic"] = c.hf_path
+    return init
+
+
 def recompute_choice(memory) -> tuple[str, int | None, tuple[str, ...]]:
     """(mode, layers, modules) of a MemoryConfig or its dict, recompute_activations read as full."""
     get = memory.get if isinstance(memory, dict) else functools.partial(getattr, memory)

@@ -85,6 +85,13 @@ class HFCheckpoint:
         if absent:
             raise CheckpointError(f"{path}: index lists tensors absent from their shard: {absent[:5]}")
         self.block_size = block_size or (128, 128)
+        self.bytes_read: dict[str, int] = {}  # tensor name -> bytes of it read so far
+
+    @classmethod
+    def of_model(cls, path: str, hf) -> "HFCheckpoint":
+        """The checkpoint of HFModel `hf`, read with the FP8 block size its config names."""
+        qcfg = hf.get("quantization_config") or {}
+        return cls(path, block_size=tuple(qcfg.get("weight_block_size", (128, 128))))
 
     def names(self) -> list[str]:
         return list(self.meta)
@@ -94,36 +101,53 @@ class HFCheckpoint:
 
     def dtype(self, name: str) -> torch.dtype:
         """The dtype get(name) returns: the stored one, bf16 for FP8 block weights (dequantized)."""
-        st = ST_DTYPES[self.meta[name]["dtype"]]
-        if st in (torch.float8_e4m3fn, torch.float8_e5m2) and name + "_scale_inv" in self.meta:
-            return torch.bfloat16
-        return st
+        return torch.bfloat16 if self.block_scaled(name) else ST_DTYPES[self.meta[name]["dtype"]]
 
     def nbytes(self, name: str) -> int:
         a, b = self.meta[name]["data_offsets"]
         return b - a
 
-    def _raw(self, name: str) -> torch.Tensor:
+    def _raw(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The stored tensor, or only its rows [start, stop) along dim 0 (contiguous in the file)."""
         if name not in self.meta:
             raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+        m = self.meta[name]
+        full = list(m["shape"]) or [1]  # a scalar reads as its one row
+        start, stop = rows or (0, full[0])
+        if not 0 <= start <= stop <= full[0]:
+            raise CheckpointError(f"{self.path}: rows {start}:{stop} of {name} (shape {m['shape']})")
+        t = torch.empty([stop - start, *full[1:]] if m["shape"] else [], dtype=ST_DTYPES[m["dtype"]])
+        a, b = m["data_offsets"]
+        row = (b - a) // full[0] if full[0] else 0
+        self._read(name, m["file"], self._data_start[m["file"]] + a + start * row,
+                   memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        return t
+
+    def _read(self, name: str, fname: str, offset: int, into: memoryview) -> None:
         # a positioned read into a fresh tensor, not an mmap: pages of files already read would
         # stay mapped into this process and its resident memory would grow to the model's size
-        m = self.meta[name]
-        t = torch.empty(m["shape"], dtype=ST_DTYPES[m["dtype"]])
-        a, b = m["data_offsets"]
-        with open(os.path.join(self.path, m["file"]), "rb", buffering=0) as f:
-            f.seek(self._data_start[m["file"]] + a)
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            if f.readinto(view) != b - a:
-                raise CheckpointError(f"{self.path}/{m['file']}: short read of {name}")
-        return t
+        with open(os.path.join(self.path, fname), "rb", buffering=0) as f:
+            f.seek(offset)
+            if f.readinto(into) != len(into):
+                raise CheckpointError(f"{self.path}/{fname}: short read of {name}")
+        self.bytes_read[name] = self.bytes_read.get(name, 0) + len(into)
 
     def get(self, name: str) -> torch.Tensor:
         t = self._raw(name)
-        scale = name + "_scale_inv"
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and scale in self.meta:
-            t = dequantize_fp8(t, self._raw(scale), self.block_size)
+        if self.block_scaled(name):
+            t = dequantize_fp8(t, self._raw(name + "_scale_inv"), self.block_size)
         return t
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) along dim 0 of get(name), reading only their bytes (but for block-scaled
+        FP8, whose blocks span rows: read whole, then cut)."""
+        if self.block_scaled(name):
+            return self.get(name)[start:stop]
+        return self._raw(name, (start, stop))
+
+    def block_scaled(self, name: str) -> bool:
+        """An FP8 weight with block scales: get() dequantizes it."""
+        return self.meta.get(name, {}).get("dtype") in ("F8_E4M3", "F8_E5M2") and name + "_scale_inv" in self.meta
 
     def close(self):
         pass  # no handles are kept open

@@ -78,11 +78,8 @@ def check_shapes_and_dtypes(hf: HFModel, ckpt: HFCheckpoint, names) -> None:
 def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
                 dtype: str | None = None) -> str:
     """dtype: cast every parameter to it; None keeps each tensor's own dtype (bit-exact round trips)."""
-    hf = _checked_model(hf_dir)
+    hf, ckpt, params = checked_hf_checkpoint(hf_dir)
     validate_layout(hf, tp, pp, ep, etp)
-    qcfg = hf.get("quantization_config") or {}
-    ckpt = HFCheckpoint(hf_dir, block_size=tuple(qcfg.get("weight_block_size", (128, 128))))
-    params = plan_hf_import(hf, ckpt)
     cast = DTYPES[dtype] if dtype else None
     model_dtype = cast or checkpoint_dtype(hf, ckpt, params)
 
@@ -100,6 +97,15 @@ def hf_to_mcore(hf_dir: str, out: str, tp: int = 1, pp: int = 1, ep: int = 1, et
         _write_config(hf, os.path.join(tmp, HF_DIR), cast)
     ckpt.close()
     return out
+
+
+def checked_hf_checkpoint(hf_dir: str) -> tuple[HFModel, HFCheckpoint, list]:
+    """The model, checkpoint and parameters of the HF checkpoint at hf_dir, checked whole from its
+    config and shard headers (every tensor there, of the shape the config implies) before any
+    tensor is read."""
+    hf = _checked_model(hf_dir)
+    ckpt = HFCheckpoint.of_model(hf_dir, hf)
+    return hf, ckpt, plan_hf_import(hf, ckpt)
 
 
 def _checked_model(model_dir: str) -> HFModel:

@@ -83,9 +83,13 @@ class ActorGroup:
                              for a in self.actors])
         nodes, self.pids = [n for n, _ in where], [pid for _, pid in where]
         print(f"{n} actor ranks on {len(set(nodes))} node(s); rendezvous {addr}:{port}", flush=True)
-        loads = "loading the initial weights and making the optimizer" if (init or {}).get("policy") \
-            else "making the optimizer"
-        with phase(loads):
+        init = init or {}
+        if init.get("policy"):
+            with phase(f"reading the initial weights, each rank its shard of {init['policy']}"):
+                read = self.call("read_initial", init)
+            print(read_line(read), flush=True)
+        with phase("reading the critic's initial weights and making the optimizer" if init.get("critic")
+                   else "making the optimizer"):
             self.call("load_initial", init)
         ranks = self.call("run", _data_parallel_rank)
         self.dp_ranks, self.dp = [r for r, _ in ranks], ranks[0][1]  # which slice of a step's batch each trains on
@@ -111,6 +115,14 @@ class ActorGroup:
         """`method` of every rank on its rows of the shared batch as the driver holds it now."""
         args = shared.args()
         return self._gathered(method, [getattr(a, method).remote(*args[d]) for a, d in zip(self.actors, self.dp_ranks)])
+
+
+def read_line(read: list[dict]) -> str:
+    """What the ranks read of the initial weights (MegatronActor.read_initial's results)."""
+    gib = [r["bytes"] / 2**30 for r in read]
+    slowest = max(r["seconds"] for r in read)
+    return (f"initial weights: {len(read)} ranks read {sum(gib):.2f} GiB ({min(gib):.2f}-{max(gib):.2f} GiB a rank) "
+            f"in {slowest:.1f} s, {sum(gib) / max(slowest, 1e-9):.2f} GiB/s")
 
 
 def _data_parallel_rank(actor) -> tuple[int, int]:

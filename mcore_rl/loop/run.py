@@ -23,7 +23,7 @@ from mcore_rl.loop.groups import ActorGroup, trainer_placement
 from mcore_rl.loop.phases import Phases
 from mcore_rl.loop.progress import PROGRESS, stop_on_signals
 from mcore_rl.loop.sources import BatchSource, batch_source, total_steps
-from mcore_rl.loop.startup import initial_checkpoints, load_checkpoint, memory_plan, prepare_model, start_ray
+from mcore_rl.loop.startup import load_checkpoint, memory_plan, prepare_model, start_ray
 from mcore_rl.loop.step import StepClock, advantages, generate, log_probs, update, validate
 from mcore_rl.loop.step_batch import correction_line, kl_controller, stop_ids
 from mcore_rl.metrics.logger import MetricsLogger
@@ -61,7 +61,7 @@ def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, repla
     written = contextlib.nullcontext() if cfg.model.hf_path else start_console.phase("writing the model's config")
     with written:
         hf_dir = prepare_model(cfg, run_dir)
-    init = initial_checkpoints(cfg, hf_dir, run_dir, start_console)
+    init = config_checks.initial_weights(cfg)  # checked before the start (preflight.inputs)
     engine = source = sync = phases = None
     # the engines' processes start and import SGLang or vLLM now, while the trainer builds
     launching = None if replay else Launching(cfg, hf_dir, run_dir, pg, list(stop_ids(cfg, train_task.tokenizer)),

@@ -1,9 +1,8 @@
 """What a run prepares before its first step: the memory plan, Ray, the policy's HF directory,
-the torch_dist copies it starts from, and a checkpoint to resume from."""
+and a checkpoint to resume from."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -13,7 +12,6 @@ import torch
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from mcore_rl.convert.hf_mcore import hf_to_mcore
 from mcore_rl.config import sections as C
 from mcore_rl.checkpoint import steps as run_ckpt
 from mcore_rl.loop.groups import ActorGroup
@@ -39,28 +37,6 @@ def prepare_model(cfg: C.Config, run_dir: str) -> str:
         hcfg.save_pretrained(hf_dir + ".tmp")
         os.replace(hf_dir + ".tmp", hf_dir)
     return hf_dir
-
-
-
-def initial_checkpoints(cfg: C.Config, hf_dir: str, run_dir: str, start=None) -> dict:
-    """torch_dist copies of the HF weights the policy (and a critic from another model) start
-    from, converted once per run; none for an embedded config (megatron's seeded init). start: a
-    console.StartConsole that shows each conversion as a start-up phase."""
-    if not cfg.model.hf_path:
-        return {}
-
-    def converted(src: str, name: str) -> str:
-        out = os.path.join(run_dir, "init_mcore", name)
-        if not os.path.exists(os.path.join(out, "metadata.json")):
-            with start.phase(f"converting {src} to torch_dist") if start else contextlib.nullcontext():
-                hf_to_mcore(src, out, dtype=cfg.model.dtype)
-        return out
-
-    init = {"policy": converted(hf_dir, "policy")}
-    critic = cfg.critic.hf_path
-    if cfg.critic.enabled and critic and os.path.abspath(critic) != os.path.abspath(hf_dir):
-        init["critic"] = converted(critic, "critic")
-    return init
 
 
 def memory_plan(cfg: C.Config):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Callable
 
 import torch
 
@@ -24,6 +26,26 @@ def sharded_state_dict(model) -> dict:
     metadata = {"non_homogeneous_layers": True, "singleton_local_shards": True}
     return {k: v for k, v in model.sharded_state_dict(metadata=metadata).items()
             if not k.endswith("_extra_state")}
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def global_names(model, num_experts: int) -> Callable[[str], str]:
+    """Local state-dict name -> the name in the unsharded model (TP=PP=EP=1), as the mappings name
+    parameters: this stage's layers and this EP rank's experts by their global numbers."""
+    from megatron.core import parallel_state as ps
+
+    layer_of = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+    local = num_experts // ps.get_expert_model_parallel_world_size() if num_experts else 0
+    base = ps.get_expert_model_parallel_rank() * local
+
+    def global_name(name: str) -> str:
+        name = _LAYER.sub(lambda m: f"decoder.layers.{layer_of[int(m.group(1))]}.", name)
+        return _EXPERT.sub(lambda m: f".local_experts.{base + int(m.group(1))}.", name)
+
+    return global_name
 
 
 def _rewrite_spec(spec, norm, core_attention, moe: dict | None = None):

@@ -50,22 +50,8 @@ def build_critic(hf, tcfg):
 
 def copy_trunk(src: torch.nn.Module, critic: torch.nn.Module) -> None:
     """Initialise the critic's trunk from a policy of the same layout (the head is kept)."""
-    copy_trunk_state(src.state_dict(), critic)
-
-
-def copy_trunk_state(state: dict, critic: torch.nn.Module) -> None:
-    trunk = {k: v for k, v in state.items() if not k.startswith(HEAD)}
+    trunk = {k: v for k, v in src.state_dict().items() if not k.startswith(HEAD)}
     missing, unexpected = critic.load_state_dict(trunk, strict=False)
     missing = [k for k in missing if not k.startswith(HEAD) and not k.endswith("_extra_state")]
     if missing or unexpected:
         raise KeyError(f"critic/policy trunk mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-
-def load_trunk(critic: torch.nn.Module, ckpt_dir: str) -> None:
-    """Initialise the critic's trunk from a torch_dist checkpoint of a causal LM (any layout)."""
-    from megatron.core import dist_checkpointing
-
-    from mcore_rl.models.builder import sharded_state_dict
-
-    trunk = {k: v for k, v in sharded_state_dict(critic).items() if not k.startswith(HEAD)}
-    copy_trunk_state(dist_checkpointing.load(trunk, ckpt_dir), critic)

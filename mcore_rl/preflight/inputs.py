@@ -122,6 +122,10 @@ def _check_model_files(cfg: C.Config, dry_run: bool) -> bool:
     tokenizer = m.tokenizer_path or m.hf_path
     if not dry_run:
         config_checks.require_model_dirs(cfg)
+        from mcore_rl.convert.hf_mcore import checked_hf_checkpoint
+
+        for path in config_checks.initial_weights(cfg).values():
+            checked_hf_checkpoint(path)  # every tensor there, of its shape, from the headers: before anything starts
         if m.tokenizer_path and not os.path.isdir(m.tokenizer_path):
             kind = "not a directory" if os.path.exists(m.tokenizer_path) else "no such directory"
             raise BadInput(f"{m.tokenizer_path}: {kind} (model.tokenizer_path)")

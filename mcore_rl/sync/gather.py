@@ -9,17 +9,13 @@ engine runs in FP8 are quantized as they are assembled (`mcore_rl.sync.fp8`).
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.distributed as dist
 
+from mcore_rl.models.builder import global_names
 from mcore_rl.models.mappings import Param
 from mcore_rl.sync import fp8
 from mcore_rl.sync.plan import RankBucket, SyncPlan
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 class LiveShards:
@@ -32,16 +28,9 @@ class LiveShards:
         while hasattr(model, "module"):  # DDP / Float16Module wrappers
             model = model.module
         self.plan, self.read = plan, read or (lambda t: t)
-        layer_of = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
-        local_experts = plan.hf.num_experts // plan.trainer.ep if plan.hf.num_experts else 0
-        expert_base = ps.get_expert_model_parallel_rank() * local_experts
-        self.local: dict[str, torch.Tensor] = {}
-        for name, t in model.state_dict(keep_vars=True).items():
-            if name.endswith("_extra_state"):
-                continue
-            name = _LAYER.sub(lambda m: f"decoder.layers.{layer_of[int(m.group(1))]}.", name)
-            name = _EXPERT.sub(lambda m: f".local_experts.{expert_base + int(m.group(1))}.", name)
-            self.local[name] = t
+        global_name = global_names(model, plan.hf.num_experts)
+        self.local: dict[str, torch.Tensor] = {global_name(n): t for n, t in model.state_dict(keep_vars=True).items()
+                                               if not n.endswith("_extra_state")}
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.etp_group = ps.get_expert_tensor_parallel_group()
 

@@ -160,6 +160,21 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         trainer.total_training_steps="${STEPS:-3}" ${R3:+actor.routing_replay=true} "${EXTRA[@]}" 2>&1 | quiet \
         | tee "$OUT/$name.log" | tail -60
       ls "${HOME}/.cache/mcore_rl/jit" 2>/dev/null | sed 's/^/jit cache: /' ;;
+    random_hf27)  # issue 45 item 1: an HF checkpoint of random weights at CONFIG's full size (the converter's random-hf,
+      # bf16, ~30 GB for Moonlight) at HF27 (/tmp/moonlight27_hf), once; hfstart27 starts from it
+      HF27=${HF27:-/tmp/moonlight27_hf}
+      python3 -c "import sys; from mcore_rl.config.sections import load_config; from mcore_rl.loop.startup import prepare_model
+prepare_model(load_config(sys.argv[1]), sys.argv[2])" "${CONFIG:-configs/moonlight_4gpu.yaml}" /tmp/hf27_cfg
+      { time timeout "${LIMIT:-590}" python3 -m mcore_rl.convert random-hf --hf-config /tmp/hf27_cfg/init_hf --out "$HF27" \
+          --dtype bf16; } 2>&1 | quiet | tail -5 | tee "$OUT/random_hf27.log"; du -sh "$HF27" ;;
+    hfstart27)  # issue 45 item 1: full27 (LAYOUT) started from random_hf27's checkpoint instead of megatron's seeded init:
+      # each trainer rank reads only its own shard of it (the console's "reading the initial weights" phase and its
+      # "initial weights:" line: GiB a rank, seconds); compare its start with full27's. COLD=1 drops the page cache first
+      HF27=${HF27:-/tmp/moonlight27_hf}
+      [ -f "$HF27/model.safetensors.index.json" ] || { echo "hfstart27: no checkpoint at $HF27 (run random_hf27 first)"; exit 2; }
+      [ -n "${COLD:-}" ] && { sync; echo 3 > /proc/sys/vm/drop_caches || echo "COLD: cannot drop the page cache here"; }
+      TAG=_hf${COLD:+_cold}${TAG:-} EXTRA_OVERRIDES="model.hf_config=null model.hf_path=$HF27 ${EXTRA_OVERRIDES:-}" \
+        bash scripts/gpu/session.sh full27 ;;
     first_step)  # issue 45: the first step of a TP > 1 engine disagrees with the trainer (docs/performance.md). At 4
       # layers, where a healthy engine's live gap is 0.03, one TP 4 engine over the node, every sync read back and
       # probed (rollout.verify_sync_probe: the trainer's and the engine's log-probs of fixed sequences, colocated once

@@ -21,7 +21,7 @@ def _actor(rank, world, root, *overrides):
 
     ps.destroy_model_parallel()
     return MegatronActor(rank, world, 0, os.path.join(root, "hf"), actor_cfg(*overrides),
-                         init={"policy": os.path.join(root, "ckpt")})
+                         init={"policy": os.path.join(root, "hf")})
 
 
 def _one_rank(rank, root):

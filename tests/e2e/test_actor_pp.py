@@ -1,5 +1,5 @@
 """Pipeline parallelism in the actor: at PP=2 (gloo processes, megatron's 1F1B schedule) every
-MegatronActor method gives what the PP=1 actor gives from the same torch_dist weights: log-probs,
+MegatronActor method gives what the PP=1 actor gives from the same HF weights: log-probs,
 one PPO update over micro-batches of different packed lengths (grad norm, stats and the updated
 weights), the embedded rollout's sampled tokens, and a critic's update and values; for a MoE+MLA
 and a dense tied-embedding model, and at PP=2 x DP=2 x EP=2. Then the trainer end to end at PP=2.

@@ -1,9 +1,11 @@
 """Dump and replay (mcore_rl.loop.rollout_dump): a dumped rollout round-trips, and `--replay` trains on
-one fixed batch without an engine, with the same grad norm at EP=2, PP=2 and TP=2 (gloo, CPU)."""
+one fixed batch without an engine, with the same grad norm at EP=2, PP=2 and TP=2 (gloo, CPU), each
+started from the HF checkpoint, every rank reading its own shard."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -44,14 +46,29 @@ def test_replay_grad_norm_agrees_across_layouts(tmp_path):
     for name, layout in {"ep2": ["parallel.ep=2"], "pp2": ["parallel.ep=1", "parallel.pp=2"],
                          "tp2": ["parallel.ep=1", "parallel.tp=2", "parallel.etp=2",
                                  "parallel.sequence_parallel=true"]}.items():
-        recs, _ = _train(str(tmp_path / name), "configs/tiny_cpu.yaml", "--replay", str(tmp_path / "dump"),
+        recs, log = _train(str(tmp_path / name), "configs/tiny_cpu.yaml", "--replay", str(tmp_path / "dump"),
                          "model.hf_config=null", f"model.hf_path={tmp_path / 'hf'}", "rollout.n=2",
                          "rollout.max_response_len=8", "data.train_batch_size=3", "actor.ppo_mini_batch_size=3",
                          "actor.micro_batch_size=3", "trainer.total_training_steps=1", "trainer.save_freq=-1",
                          "trainer.logger=[jsonl]", *layout)
+        _started_from_hf(log, str(tmp_path / "hf"), str(tmp_path / name))
         step = next(r for r in recs if "actor/grad_norm" in r)
         norms[name] = step["actor/grad_norm"]
         assert step["reward/mean"] == pytest.approx(0.5) and "timing/rollout" in step
     assert norms["ep2"] > 0
     for name in ("pp2", "tp2"):
         assert norms[name] == pytest.approx(norms["ep2"], rel=1e-2), norms
+
+
+def _started_from_hf(log: str, hf: str, run_dir: str) -> None:
+    """The start from an HF checkpoint on the console: each rank reading its own shard (a phase with
+    its seconds, and what they read), and no converted copy in the run directory."""
+    from mcore_rl.metrics.console import start_record
+
+    phases = [name for name, _ in start_record(log.splitlines())["phases"]]
+    assert phases[1:4] == ["building the trainer's model (2 ranks)",
+                           f"reading the initial weights, each rank its shard of {hf}", "making the optimizer"], log
+    assert re.search(r"^initial weights: 2 ranks read [\d.]+ GiB \([\d.]+-[\d.]+ GiB a rank\) in [\d.]+ s", log, re.M), log
+    copies = [d for d, _, files in os.walk(run_dir) if "metadata.json" in files  # a torch_dist checkpoint
+              and os.path.relpath(d, run_dir).split(os.sep)[0] != "checkpoints"]
+    assert not copies, copies

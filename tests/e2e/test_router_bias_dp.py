@@ -37,7 +37,7 @@ def _update_once(rank, world, root, name):
     cfg["actor"]["router_bias_update_rate"] = RATE
     batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
     actor = MegatronActor(rank, world, 0, os.path.join(root, FAM, "hf"), cfg,
-                          init={"policy": os.path.join(root, FAM, "ckpt")})
+                          init={"policy": os.path.join(root, FAM, "hf")})
     out = {"bias_before": _biases(actor.model), "log_probs": S.as_driver(actor.log_probs(batch))}
     batch.update(old_log_probs=out["log_probs"])
     S.as_driver(actor.update(batch))

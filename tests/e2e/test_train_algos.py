@@ -24,12 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny DeepSeek-V3 HF model, its torch_dist conversion, and a fixed RL batch."""
-    from mcore_rl.convert.hf_mcore import hf_to_mcore
-
+    """A tiny DeepSeek-V3 HF model and a fixed RL batch."""
     root = tmp_path_factory.mktemp("algos")
     make_hf_model("deepseek_v3", str(root / "hf"))
-    hf_to_mcore(str(root / "hf"), str(root / "ckpt"), dtype="fp32")
     batch = rl_batch()
     # token-level TIS weights, as the driver makes them (mcore_rl.loop.step_batch.correct_rollout)
     batch["rollout_is_weights"], _, _ = compute_rollout_correction(
@@ -108,7 +105,7 @@ def _single_rank(rank, root):
     from mcore_rl.actor import MegatronActor
 
     batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
-    init = {"policy": os.path.join(root, "ckpt")}
+    init = {"policy": os.path.join(root, "hf")}
     actor = MegatronActor(0, 1, 0, os.path.join(root, "hf"), actor_cfg("actor.micro_batch_size=2"), init=init)
     ref = _reference_grads(actor, batch)
     torch.save(ref, os.path.join(root, "ref_grads.pt"))
@@ -128,7 +125,7 @@ def _recomputed(rank, root):
 
     batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
     cfg = actor_cfg("actor.micro_batch_size=2", "memory.recompute_activations=true")
-    actor = MegatronActor(0, 1, 0, os.path.join(root, "hf"), cfg, init={"policy": os.path.join(root, "ckpt")})
+    actor = MegatronActor(0, 1, 0, os.path.join(root, "hf"), cfg, init={"policy": os.path.join(root, "hf")})
     assert actor.model.module.config.recompute_granularity == "full"
     _assert_close(_grads_after_update(actor, batch),
                   torch.load(os.path.join(root, "ref_grads.pt"), weights_only=True), "full recompute")
@@ -139,7 +136,7 @@ def _two_ranks(rank, root, *overrides):
 
     batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
     cfg = actor_cfg("parallel.ep=2", *overrides)
-    actor = MegatronActor(rank, 2, 0, os.path.join(root, "hf"), cfg, init={"policy": os.path.join(root, "ckpt")})
+    actor = MegatronActor(rank, 2, 0, os.path.join(root, "hf"), cfg, init={"policy": os.path.join(root, "hf")})
     _assert_close(_grads_after_update(actor, batch),
                   torch.load(os.path.join(root, "ref_grads.pt"), weights_only=True), f"dp2 ep2 {overrides}")
 
@@ -169,7 +166,7 @@ def _colocated_models(rank, root):
         return real_step(model, opt)
 
     optim.step = counted_step
-    hf, init = os.path.join(root, "hf"), {"policy": os.path.join(root, "ckpt")}
+    hf, init = os.path.join(root, "hf"), {"policy": os.path.join(root, "hf")}
     actor = MegatronActor(0, 1, 0, hf, cfg, init=init)
     mask = batch["response_mask"].bool()
     initial = actor.log_probs(batch)

@@ -1,4 +1,4 @@
-"""The actor at PP=2 against PP=1: every MegatronActor method from the same torch_dist weights.
+"""The actor at PP=2 against PP=1: every MegatronActor method from the same HF weights.
 
 Used by tests/e2e/test_actor_pp.py (gloo processes on CPU); also runnable by hand, on GPUs over NCCL
 (fp32; each layout in fresh processes, one GPU each) or on the CPU:
@@ -38,13 +38,11 @@ PER_TOKEN = ("log_probs", "ref", "values0", "log_probs_after", "values")
 
 
 def prepare(root: str) -> None:
-    """Tiny HF models, their torch_dist weights (every layout loads the same ones), an RL batch."""
-    from mcore_rl.convert.hf_mcore import hf_to_mcore
+    """Tiny HF models (every layout starts from the same ones), an RL batch."""
     from tests.support.tiny_models import make_hf_model
 
     for fam in FAMILIES:
         make_hf_model(fam, os.path.join(root, fam, "hf"))
-        hf_to_mcore(os.path.join(root, fam, "hf"), os.path.join(root, fam, "ckpt"), dtype="fp32")
     torch.save(rl_batch(), os.path.join(root, "batch.pt"))
 
 
@@ -92,7 +90,7 @@ def run_actor(rank: int, world: int, port: int, root: str, tp: int, pp: int, ep:
     for fam in fams:
         batch = torch.load(os.path.join(root, "batch.pt"), weights_only=True)
         actor = MegatronActor(rank, world, port, os.path.join(root, fam, "hf"), actor_cfg(tp, pp, ep),
-                              init={"policy": os.path.join(root, fam, "ckpt")})
+                              init={"policy": os.path.join(root, fam, "hf")})
         out = {"log_probs": as_driver(actor.log_probs(batch)), "ref": as_driver(actor.ref_log_probs(batch)),
                "values0": as_driver(actor.values(batch))}
         batch.update(old_log_probs=out["log_probs"], ref_log_probs=out["ref"], values=out["values0"])

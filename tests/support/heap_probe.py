@@ -39,7 +39,7 @@ def _ranks(rank, root, steps, moves):
     cfg = actor_cfg("parallel.ep=2", "actor.use_distributed_optimizer=true", "actor.overlap_grad_reduce=true",
                     "actor.grad_bucket_size=2000")
     cfg["actor"]["lr"] = 1e-4
-    actor = MegatronActor(rank, 2, 0, os.path.join(root, "hf"), cfg, init={"policy": os.path.join(root, "ckpt")})
+    actor = MegatronActor(rank, 2, 0, os.path.join(root, "hf"), cfg, init={"policy": os.path.join(root, "hf")})
     if moves:
         actor._moves_states = lambda: True  # the GPU's moves, on CPU storages
     for step in range(steps):
@@ -69,7 +69,6 @@ def main(argv: list[str]) -> int:
         return subprocess.call([sys.executable, "-m", "tests.support.heap_probe", *argv], env=env)
     import torch
 
-    from mcore_rl.convert.hf_mcore import hf_to_mcore
     from tests.support import distributed
     from tests.support.rl_batch import rl_batch
     from tests.support.tiny_models import make_hf_model
@@ -77,7 +76,6 @@ def main(argv: list[str]) -> int:
     root = tempfile.mkdtemp(prefix="heap_probe_")
     try:
         make_hf_model("deepseek_v3", os.path.join(root, "hf"))
-        hf_to_mcore(os.path.join(root, "hf"), os.path.join(root, "ckpt"), dtype="fp32")
         batch = rl_batch()
         batch["rollout_is_weights"] = torch.ones_like(batch["old_log_probs"])
         torch.save(batch, os.path.join(root, "batch.pt"))

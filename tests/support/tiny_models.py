@@ -101,3 +101,32 @@ def make_hf_model(family: str, out_dir: str, seed: int = 0):
                 b.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
     return model
+
+
+FP8_WEIGHT = "model.layers.1.self_attn.q_b_proj.weight"
+
+
+def make_fp8_variant(hf_dir, block: int = 16) -> None:
+    """Turn the DeepSeek-V3 checkpoint in `hf_dir` (modified in place) into DeepSeek-V3's FP8 release
+    format for one weight, FP8_WEIGHT: e4m3 with a `_scale_inv` per block x block block, the config's
+    quantization_config saying so, plus a multi-token-prediction layer's tensor (index = num layers)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(hf_dir, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
+    cfg["num_nextn_predict_layers"] = 1
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    t = load_file(os.path.join(hf_dir, "model.safetensors"))
+    w = t[FP8_WEIGHT]
+    scale = torch.rand(-(-w.shape[0] // block), -(-w.shape[1] // block)) + 0.5
+    t[FP8_WEIGHT] = (w / scale.repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)[:, : w.shape[1]]
+                     ).to(torch.float8_e4m3fn)
+    t[FP8_WEIGHT + "_scale_inv"] = scale
+    t[f"model.layers.{cfg['num_hidden_layers']}.eh_proj.weight"] = torch.zeros(8, 8)
+    save_file(t, os.path.join(hf_dir, "model.safetensors"))

@@ -248,6 +248,10 @@ CASES = [
          "{d}/index_no_map/model.safetensors.index.json: no \"weight_map\" of tensor name -> shard file"),
     *[Case(f"hf {fam} tensor transposed", ("convert",), ("hf-to-mcore", "--hf", "{d}/transposed_" + fam),
            "{d}/transposed_" + fam + ": tensor " + WRONG_SHAPE[fam] + " has shape [") for fam in FAMILIES_],
+    # a run from an HF checkpoint checks it whole from its headers before it starts (each rank reads its shard later)
+    Case("train from an hf checkpoint with a tensor transposed", ("train",),
+         ("model.hf_config=null", "model.hf_path={d}/transposed_deepseek_v3"),
+         "{d}/transposed_deepseek_v3: tensor " + WRONG_SHAPE["deepseek_v3"] + " has shape ["),
     Case("hf tensor reshaped, same elements", ("convert",), ("hf-to-mcore", "--hf", "{d}/reshaped_llama"),
          "{d}/reshaped_llama: tensor " + WRONG_SHAPE["llama"] + " has shape [32, 256], config.json implies [64, 128]"),
     Case("hf tensor of integers", ("convert",), ("hf-to-mcore", "--hf", "{d}/integer_llama"),

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from mcore_rl.convert import hf_mcore as convert
 from mcore_rl.convert.hf_io import CheckpointError, HFCheckpoint, dequantize_fp8
 from mcore_rl.models.config import LayoutError, UnsupportedModelError
-from tests.support.tiny_models import make_hf_model
+from tests.support.tiny_models import FP8_WEIGHT, make_fp8_variant, make_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -153,19 +153,8 @@ def test_fp8_checkpoint_with_mtp_layer_imports(v3, tmp_path, caplog):
     """A DeepSeek-V3-style FP8 checkpoint (weight_scale_inv per 128x128 block, plus an MTP layer)
     imports with dequantized weights and says it skipped the MTP tensors."""
     d = _copy(v3, tmp_path / "fp8")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
-    cfg["num_nextn_predict_layers"] = 1
-    (d / "config.json").write_text(json.dumps(cfg))
-    t = load_file(str(d / "model.safetensors"))
-    name = "model.layers.1.self_attn.q_b_proj.weight"
-    w = t[name]
-    scale = torch.rand(-(-w.shape[0] // 16), -(-w.shape[1] // 16)) + 0.5
-    t[name] = (w / scale.repeat_interleave(16, 0)[: w.shape[0]].repeat_interleave(16, 1)[:, : w.shape[1]]
-               ).to(torch.float8_e4m3fn)
-    t[name + "_scale_inv"] = scale
-    t["model.layers.4.eh_proj.weight"] = torch.zeros(8, 8)  # MTP layer (index == num_layers)
-    save_file(t, str(d / "model.safetensors"))
+    make_fp8_variant(d, block=16)
+    name = FP8_WEIGHT
     ck = HFCheckpoint(str(d), block_size=(16, 16))
     expected = ck.get(name)
     out = tmp_path / "ck"

@@ -35,6 +35,12 @@ class Transform:
     def to_hf(self, m: HFModel, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (t,)
 
+    def part_source(self, part: int, parts: int) -> int | None:
+        """Which HF tensor is, unchanged, part `part` of the megatron tensor cut into `parts` along
+        dim 0 (as megatron's checkpoints store it); None where no one is. A rank then reads only its
+        rows of that tensor (mcore_rl.checkpoint.hf_init)."""
+        return 0 if parts == 1 else None
+
 
 class GLU(Transform):
     """megatron's linear_fc1 is [gate; up] along the output dim."""
@@ -48,6 +54,9 @@ class GLU(Transform):
 
     def to_hf(self, m, t):
         return tuple(t.chunk(2, dim=0))
+
+    def part_source(self, part, parts):
+        return part if parts == 2 else None  # megatron stores gate and up as two tensors
 
 
 class QKV(Transform):
@@ -68,6 +77,9 @@ class QKV(Transform):
         tail = q.shape[1:]
         return torch.cat([q.reshape(g, qd, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)],
                          dim=1).reshape(-1, *tail)
+
+    def part_source(self, part, parts):
+        return None  # each KV group's rows interleave q, k and v
 
     def to_hf(self, m, t):
         g, qd, d = self._dims(m)
