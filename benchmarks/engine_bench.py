@@ -356,9 +356,9 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
         model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos,
                                      quantization_config=fp8.QUANTIZATION_CONFIG if base == "fp8" else None)
         extra = {**(fp8_args or {}), **own} if base == "fp8" else own
+        attention = extra.pop("attention_backend", backend)  # a kind's own backend replaces the config's
         t0 = time.perf_counter()
-        extra = dict(extra)
-        eng = engine(model_dir, extra.pop("attention_backend", backend), load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
+        eng = engine(model_dir, attention, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
                      cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
         start_s = time.perf_counter() - t0
         try:
