@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
@@ -15,14 +16,16 @@ HUB_DEFAULTS = {"deepseek_v3": dict(moe_layer_freq=1, topk_method="noaux_tc", sc
 
 
 def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], plain_rope_as_yarn: bool = False,
-                     quantization_config: dict | None = None) -> str:
+                     quantization_config: dict | None = None, weights: bool = True) -> str:
     """The same weights and tokenizer files as `hf_dir` (linked, not copied) under a config.json
     that carries the hub fields DeepSeek configs need, and whose eos ids are the rollout's stop
     ids (so the engine stops exactly where the trainer's tokenizer ends a response).
     `plain_rope_as_yarn`: a DeepSeek model without rope scaling gets a `yarn` entry of factor 1,
     which is plain rope (for engines whose CPU path knows only yarn). `quantization_config`: the
     engine builds its layers in that format (an FP8 checkpoint's); its weights come from the first
-    sync, not from these files. Rewritten atomically."""
+    sync, not from these files. `weights=False`: the weight files are left out, so the engine builds
+    its layers with a dummy load (a first sync brings the weights; reading 30 GB of files it then
+    overwrites would only slow its start). Rewritten atomically."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     for k, v in HUB_DEFAULTS.get(cfg.get("model_type"), {}).items():
@@ -41,8 +44,9 @@ def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], plain
     os.makedirs(tmp)
     for path in glob.glob(os.path.join(os.path.abspath(hf_dir), "*")):
         name = os.path.basename(path)
-        if name not in ("config.json", "generation_config.json"):
-            os.symlink(path, os.path.join(tmp, name))
+        if name in ("config.json", "generation_config.json") or (not weights and _is_weights(name)):
+            continue
+        os.symlink(path, os.path.join(tmp, name))
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
@@ -53,6 +57,11 @@ def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], plain
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _is_weights(name: str) -> bool:
+    return name in WEIGHT_INDEXES or any(fnmatch.fnmatch(name, pattern) for pattern in WEIGHT_FILES)
 
 
 def has_weights(model_dir: str) -> bool:

@@ -175,19 +175,36 @@ prepare_model(load_config(sys.argv[1]), sys.argv[2])" "${CONFIG:-configs/moonlig
       [ -n "${COLD:-}" ] && { sync; echo 3 > /proc/sys/vm/drop_caches || echo "COLD: cannot drop the page cache here"; }
       TAG=_hf${COLD:+_cold}${TAG:-} EXTRA_OVERRIDES="model.hf_config=null model.hf_path=$HF27 ${EXTRA_OVERRIDES:-}" \
         bash scripts/gpu/session.sh full27 ;;
-    first_step)  # issue 45: the first step of a TP > 1 engine disagrees with the trainer (docs/performance.md). At 4
-      # layers, where a healthy engine's live gap is 0.03, one TP 4 engine over the node, every sync read back and
-      # probed (rollout.verify_sync_probe: the trainer's and the engine's log-probs of fixed sequences, colocated once
-      # the KV cache is back), then the same with SGLang's custom all-reduce off. Compare sync/probe_gap_mean of step
-      # 0 (the first sync) with steps 1-2, and rollout/logp_diff_abs_mean of step 1 with step 2, in each JSON
-      for variant in base no_custom_ar; do
-        ar=(); [ $variant = no_custom_ar ] && ar=(rollout.engine_kwargs.disable_custom_all_reduce=true)
+    first_step)  # issue 45: the first step of a TP > 1 engine disagrees with the trainer (docs/performance.md). At
+      # LAYERS (4), where a healthy engine's live gap is 0.03, one engine of TP FS_TP (4) over the node of CONFIG
+      # (configs/moonlight_4gpu.yaml; configs/moonlight_2gpu.yaml with FS_TP=2 on 2 GPUs), every sync read back and
+      # probed (rollout.verify_sync_probe: the trainer's and the engine's log-probs of fixed sequences through the
+      # engine's prefill, colocated once the KV cache is back). VARIANTS (base no_custom_ar): base; no_custom_ar
+      # (SGLang's custom all-reduce off); no_cuda_graph (decode eager); flashinfer (its attention backend). Compare
+      # sync/probe_gap_mean of step 0 (the first sync) with steps 1-2, and rollout/logp_diff_abs_mean (the decode's)
+      # of step 1 with step 2, in each JSON
+      for variant in ${VARIANTS:-base no_custom_ar}; do
+        case $variant in
+          base) v=() ;;
+          no_custom_ar) v=(rollout.engine_kwargs.disable_custom_all_reduce=true) ;;
+          no_cuda_graph) v=(rollout.engine_kwargs.disable_cuda_graph=true) ;;
+          flashinfer) v=(rollout.attention_backend=flashinfer) ;;
+          *) echo "first_step: unknown variant $variant"; exit 2 ;;
+        esac
+        name=first_step_${variant}_L${LAYERS:-4}
         ray stop --force >/dev/null 2>&1
-        timeout "${LIMIT:-240}" python3 benchmarks/rl_loop_bench.py --config configs/moonlight_4gpu.yaml \
-          --out "$OUT/first_step_$variant.json" --logs "$OUT/first_step_${variant}_logs" --no-engine-alone \
-          rollout.tp_size=4 model.hf_config.num_hidden_layers=4 trainer.total_training_steps=3 \
-          rollout.verify_sync_every=1 rollout.verify_sync_probe=true "${ar[@]}" "${EXTRA[@]}" 2>&1 | quiet \
-          | tee "$OUT/first_step_$variant.log" | tail -25
+        timeout "${LIMIT:-240}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
+          --out "$OUT/$name.json" --logs "$OUT/${name}_logs" --no-engine-alone \
+          rollout.tp_size="${FS_TP:-4}" model.hf_config.num_hidden_layers="${LAYERS:-4}" trainer.total_training_steps=3 \
+          rollout.verify_sync_every=1 rollout.verify_sync_probe=true "${v[@]}" "${EXTRA[@]}" 2>&1 | quiet \
+          | tee "$OUT/$name.log" | tail -25
+        python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print('$name', 'step', r.get('step'), {k: round(v, 4) for k, v in r.items() if isinstance(v, float) and
+          k in ('sync/probe_gap_mean', 'sync/probe_gap_max', 'rollout/logp_diff_abs_mean', 'sync/verified')})" \
+          < "$OUT/${name}_logs/metrics.jsonl" || true
       done ;;
     hidden_gap)  # issue 45 item 5: engine against trainer, layer by layer, on the same weights and tokens, 27 Moonlight
       # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU); live routing and R3

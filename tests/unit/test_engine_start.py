@@ -97,3 +97,33 @@ def test_vllm_engine_kwargs_pass_through_and_ours_win():
     assert args["max_model_len"] == 256 and args["tensor_parallel_size"] == 1
     assert engine_kwargs.overridden(cfg.rollout.engine_kwargs, V.own_args(cfg, "/m", EngineLayout(1, 1, 1, 1), 0.5)) \
         == {"tensor_parallel_size": (4, 1)}
+
+
+def test_engines_of_the_loop_start_on_a_dummy_load_even_from_a_checkpoint(tmp_path):
+    """A start from model.hf_path: the loop's engines get the tokenizer and the config but no weight
+    files, so SGLang and vLLM build their layers on a dummy load (the first sync brings the weights)
+    instead of reading the checkpoint only to overwrite it; the same directory with its weights for
+    whoever loads the checkpoint itself (benchmarks, the export check)."""
+    from mcore_rl.rollout import model_files
+    from mcore_rl.rollout import sglang as S
+    from mcore_rl.rollout import vllm as V
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"):
+        (hf / name).write_text("x")
+    cfg = load_config(TINY_GPU, [])
+    layout = EngineLayout(1, 1, 1, 1)
+    for server in (S, V):
+        loop = server.engine_model_dir(str(hf), str(tmp_path / f"{server.__name__}_loop"), [2], "gpu", weights=False)
+        full = server.engine_model_dir(str(hf), str(tmp_path / f"{server.__name__}_full"), [2], "gpu")
+        assert sorted(os.listdir(loop)) == ["config.json", "generation_config.json", "tokenizer.json",
+                                            "tokenizer_config.json"]
+        assert not model_files.has_weights(loop) and model_files.has_weights(full)
+        assert len(os.listdir(full)) == 7
+    assert S.engine_args(cfg, str(tmp_path / "mcore_rl.rollout.sglang_loop"), layout, 0, None, 0.5)["load_format"] \
+        == "dummy"
+    assert "load_format" not in S.engine_args(cfg, str(tmp_path / "mcore_rl.rollout.sglang_full"), layout, 0, None, 0.5)
+    assert V.engine_args(cfg, str(tmp_path / "mcore_rl.rollout.vllm_loop"), layout, 0.5)["load_format"] == "dummy"
