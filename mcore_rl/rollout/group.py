@@ -213,14 +213,15 @@ class EngineGroup:
     def weight_target(self) -> EngineTarget:
         return EngineTarget(self.heads, self.tp_size, self.timeout_s, self.head_names)
 
-    def weight_digests(self) -> dict[int, dict[int, dict]]:
+    def weight_digests(self, derived: bool = False) -> dict[int, dict[int, dict]]:
         """{engine: {tp rank: {parameter: digest}}}: node 0 of each engine has all its ranks write
-        theirs, then every node reads those of its own ranks (their files are on its machine)."""
+        theirs, then every node reads those of its own ranks (their files are on its machine).
+        `derived` (SGLang): every other tensor of the engines' models too (sglang_plugin)."""
         # one file name per engine: data-parallel engines share a machine, and their rank 0s would collide
         path = os.path.join(tempfile.gettempdir(), "mcore_rl_digests", uuid.uuid4().hex, "engine")
         heads = [s.engine for s in self.slots if s.node_rank == 0]
-        _wait([a.write_weight_digests.remote(f"{path}{e}") for a, e in zip(self.heads, heads)], "weight read-back",
-              self.head_names, self.timeout_s)
+        _wait([a.write_weight_digests.remote(f"{path}{e}", derived) for a, e in zip(self.heads, heads)],
+              "weight read-back", self.head_names, self.timeout_s)
         got = _wait([a.read_weight_digests.remote(f"{path}{s.engine}") for a, s in zip(self.actors, self.slots)],
                     "weight read-back", self.names, self.timeout_s)
         out: dict[int, dict[int, dict]] = {}

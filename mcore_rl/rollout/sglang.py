@@ -387,10 +387,11 @@ class SGLangServer:
         # otherwise reload with its start-up loader, which reads no files
         _ok(self.engine.update_weights_from_disk(model_path, load_format="auto"), "update_weights_from_disk")
 
-    def write_weight_digests(self, path: str) -> None:
-        """Node 0: every rank of the engine, on every node, writes its parameters' digests to
-        `path.tp{rank}.json` on its own machine (SGLang's collective_rpc reaches all schedulers)."""
-        self.engine.collective_rpc("mcore_rl_weight_digests", path=path)
+    def write_weight_digests(self, path: str, derived: bool = False) -> None:
+        """Node 0: every rank of the engine, on every node, writes its parameters' digests (`derived`:
+        and those of every other tensor its model holds) to `path.tp{rank}.json` on its own machine
+        (SGLang's collective_rpc reaches all schedulers)."""
+        self.engine.collective_rpc("mcore_rl_weight_digests", path=path, derived=derived)
 
     def read_weight_digests(self, path: str) -> dict[int, dict]:
         """{tp rank: {SGLang parameter name: [dtype, shape, bytes, sum, weighted sum]}} of this

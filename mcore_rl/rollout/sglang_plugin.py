@@ -2,9 +2,11 @@
 every engine process whose path holds `sglang_site/` (the engine actor puts it there), before the
 model is built.
 
-- `Scheduler.mcore_rl_weight_digests(path)`: digests of every parameter of this TP rank, written
+- `Scheduler.mcore_rl_weight_digests(path, derived)`: digests of every parameter of this TP rank, written
   atomically to `path.tp{rank}.json`. Reached through `Engine.collective_rpc`, which reports only
-  success, hence the file. This is how a sync is read back and verified.
+  success, hence the file. This is how a sync is read back and verified. `derived`: every other
+  tensor the model holds too (buffers, and tensors kept as plain attributes, like MLA's `w_kc`), the
+  state SGLang derives from the weights, which no read-back of the parameters covers.
 - `Scheduler.mcore_rl_refresh_derived()`: state SGLang derives from the weights once and no sync
   rewrites, written again; the engine actor calls it after each resume and each weight update.
   - An FP8 model's attention layers hold their KV-cache scales as tensors in the weights region
@@ -40,21 +42,33 @@ import json
 import os
 
 
-def weight_digests(model) -> dict:
+def weight_digests(model, derived: bool = False) -> dict:
     """Digests of the model's weights; parameters SGLang itself leaves out of its weight checks
-    (`_skip_weight_check`: an FP8 model's KV-cache k_scale/v_scale, no checkpoint weight) are left out."""
+    (`_skip_weight_check`: an FP8 model's KV-cache k_scale/v_scale, no checkpoint weight) are left out.
+    `derived`: also every buffer and tensor attribute of every module, as `derived:<module>.<name>`."""
     from mcore_rl.sync.checksum import digest
 
-    return {name: [str(p.dtype).removeprefix("torch."), list(p.shape), *digest(p.data)]
-            for name, p in model.named_parameters() if not getattr(p, "_skip_weight_check", False)}
+    def entry(t):
+        return [str(t.dtype).removeprefix("torch."), list(t.shape), *digest(t.data)]
+
+    out = {name: entry(p) for name, p in model.named_parameters() if not getattr(p, "_skip_weight_check", False)}
+    if derived:
+        import torch
+
+        params = {id(p) for p in model.parameters()}
+        for prefix, module in model.named_modules():
+            held = {**module._buffers, **{k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)}}
+            out.update({f"derived:{prefix}.{k}": entry(t) for k, t in held.items()
+                        if t is not None and id(t) not in params and t.numel() and t.device.type != "meta"})
+    return out
 
 
-def _scheduler_weight_digests(self, path: str) -> None:
+def _scheduler_weight_digests(self, path: str, derived: bool = False) -> None:
     model = self.tp_worker.model_runner.model
     out = f"{path}.tp{_tp_rank(self)}.json"
     os.makedirs(os.path.dirname(out), exist_ok=True)  # on this rank's machine (nodes of one engine differ)
     with open(out + ".tmp", "w") as f:
-        json.dump(weight_digests(model), f)
+        json.dump(weight_digests(model, derived), f)
     os.replace(out + ".tmp", out)
 
 

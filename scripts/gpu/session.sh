@@ -206,6 +206,12 @@ for line in sys.stdin:
           k in ('sync/probe_gap_mean', 'sync/probe_gap_max', 'rollout/logp_diff_abs_mean', 'sync/verified')})" \
           < "$OUT/${name}_logs/metrics.jsonl" || true
       done ;;
+    first_sync_state)  # issue 45: which of a TP > 1 engine's tensors the first sync leaves stale, and whether a second
+      # sync or a release and resume puts them right (tests/gpu/first_sync_state.py); LAYERS (4), FS_TP (2), CONFIG
+      ray stop --force >/dev/null 2>&1
+      timeout "${LIMIT:-300}" python3 tests/gpu/first_sync_state.py --config "${CONFIG:-configs/moonlight_2gpu.yaml}" \
+        --out "$OUT/first_sync_state${TAG:-}.json" rollout.tp_size="${FS_TP:-2}" model.hf_config.num_hidden_layers="${LAYERS:-4}" \
+        memory.offload_train_states=auto "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/first_sync_state${TAG:-}.log" | tail -20 ;;
     hidden_gap)  # issue 45 item 5: engine against trainer, layer by layer, on the same weights and tokens, 27 Moonlight
       # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU); live routing and R3
       timeout "${LIMIT:-590}" python3 benchmarks/engine_bench.py hidden-gap --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
