@@ -36,17 +36,18 @@ class Transform:
     def runs(self, m: HFModel, rows: Sequence[int]) -> list[tuple[int, int, int]]:
         """(i, start, stop): rows [start, stop) of HF tensor i, for HF tensors of `rows` rows each;
         ValueError where those are not the sizes model `m` has (each row used exactly once)."""
-        runs = self._runs(m, rows)
+        runs = self._runs(m, rows) if len(rows) == self.tensors else []
         used = [0] * len(rows)
         for i, a, b in runs:
             used[i] += b - a if 0 <= a <= b <= rows[i] else -1
-        if used != list(rows):
+        if not runs or used != list(rows):
             raise ValueError(f"HF tensors of {list(rows)} rows do not make one {self.name} tensor of this model")
         return runs
 
+    tensors = 1  # HF tensors it combines
+
     def _runs(self, m: HFModel, rows: Sequence[int]) -> list[tuple[int, int, int]]:
-        (n,) = rows
-        return [(0, 0, n)]
+        return [(0, 0, rows[0])]
 
     def to_mcore(self, m: HFModel, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         import torch
@@ -64,7 +65,7 @@ class Transform:
 class GLU(Transform):
     """megatron's linear_fc1 is [gate; up] along the output dim."""
 
-    name = "glu"
+    name, tensors = "glu", 2
 
     def _runs(self, m, rows):
         return [(i, 0, n) for i, n in enumerate(rows)]
@@ -76,7 +77,7 @@ class GLU(Transform):
 class QKV(Transform):
     """megatron's linear_qkv interleaves heads per KV group: [q_g0 k_g0 v_g0 q_g1 ...]."""
 
-    name = "qkv"
+    name, tensors = "qkv", 3
 
     @staticmethod
     def _dims(m: HFModel):
