@@ -245,13 +245,11 @@ def check_data_files(ckpt: str, metadata, files: dict[str, str] | None = None) -
 
 def expected_hf_shapes(hf: HFModel) -> dict[str, tuple[int, ...]]:
     """Every HF tensor's shape as the model `hf`'s config.json implies it: megatron's meta-device
-    model at TP=PP=EP=1 (skeleton), each parameter taken back through its mapping rule."""
-    _, entries = skeleton(hf, torch.float32)
-    out = {}
-    for e in entries.values():
-        full = _merged(e, [torch.empty(s, device="meta") for s in e.shapes])
-        out.update({name: tuple(t.shape) for name, t in e.param.to_hf(hf, full).items()})
-    return out
+    model at TP=PP=EP=1, each parameter taken back through its mapping rule (the memory layout's
+    inventory, built once a process: the run's memory plan reuses the preflight's)."""
+    from mcore_rl.memory.layout import inventory
+
+    return {name: shape for w in inventory(hf) for name, shape in w.hf}
 
 
 def _merged(entry, parts: list[torch.Tensor]) -> torch.Tensor:
