@@ -243,15 +243,6 @@ def check_data_files(ckpt: str, metadata, files: dict[str, str] | None = None) -
             raise CheckpointError(f"{path}: truncated: {have} bytes, the checkpoint's .metadata needs {size}")
 
 
-def expected_hf_shapes(hf: HFModel) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor's shape as the model `hf`'s config.json implies it: megatron's meta-device
-    model at TP=PP=EP=1, each parameter taken back through its mapping rule (the memory layout's
-    inventory, built once a process: the run's memory plan reuses the preflight's)."""
-    from mcore_rl.memory.layout import inventory
-
-    return {name: shape for w in inventory(hf) for name, shape in w.hf}
-
-
 def _merged(entry, parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if entry.factory is None else entry.factory.merge_fn(parts)
 
