@@ -79,8 +79,8 @@ def _expected_reads(model, hf, hf_dir: str) -> tuple[dict[str, int], int, dict[s
             elif by_rows:
                 out[h] = share
             else:
-                out[h] = beyond[h] = ckpt.nbytes(h)
-                beyond[h] -= share
+                out[h] = ckpt.nbytes(h)
+                beyond[h] = out[h] - share
     return out, shard, beyond
 
 
