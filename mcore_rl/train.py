@@ -17,7 +17,7 @@ import time
 from mcore_rl.config import sections as C
 from mcore_rl.config import checks as config_checks
 from mcore_rl.preflight.bad_input import BAD_INPUT, BadInput, message, report
-from mcore_rl.metrics.console import quiet_fallback_warnings
+from mcore_rl.metrics.console import StartConsole, quiet_fallback_warnings
 from mcore_rl.loop.placement_deadline import PlacementTimeout
 from mcore_rl.loop.progress import PROGRESS, resume_hint, stopped_line
 from mcore_rl.loop.sampling import RefillsExhausted
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = C.load_config(a.config, a.overrides)
         # the same checks for both; a dry run plans for the cluster it names: its model files
         # need not be on this machine
-        inputs = check_inputs(cfg, dry_run=a.dry_run, replay=a.replay)
+        console = None if a.dry_run else StartConsole()  # the run's start-up phases, its checks the first
+        inputs = check_inputs(cfg, dry_run=a.dry_run, replay=a.replay, console=console)
         if a.dry_run:
             lines = dry_run(cfg)
             print("\n".join(lines))
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        m = train(cfg, inputs, replay=a.replay, stop_on_signal=True)
+        m = train(cfg, inputs, replay=a.replay, stop_on_signal=True, start_console=console)
     except SaveFailed as e:  # a full disk, a read-only directory: the checkpoint before is whole
         report(e)
         return 1

@@ -2,10 +2,13 @@
 
 Each rank walks its own megatron sharded state dict (its pipeline stage's layers, its EP rank's
 experts, its TP slices, as megatron's own checkpoint loader would fill them) and reads only the
-HF tensors those are made of: where its slice is a run of rows of one HF tensor (a copied or
-gate/up weight split along dim 0), only those rows; else the whole tensors, put together by the
-mapping's Transform as the converter does, and cut. Each slice is copied into the parameter at
-once, so a rank holds its shard plus the tensor in flight; no torch_dist copy is written.
+HF tensors those are made of, and of each only the rows its slice is made of: every mapping's
+Transform only reorders whole rows (Transform.runs), so a slice along dim 0 (column-parallel
+weights, a GLU's gate and up, a QKV's KV groups, the vocabulary) is a few runs of HF rows. Read
+whole: a slice along another dim (row-parallel weights at TP > 1: their rows are contiguous in the
+file, a column block is not) and FP8 block-scaled weights with their scales (a block spans 128
+rows). Each slice is copied into the parameter at once, so a rank holds its shard plus the rows in
+flight; no torch_dist copy is written.
 """
 
 from __future__ import annotations
@@ -70,25 +73,39 @@ def load_hf(model, hf_dir: str, hf: HFModel, skip=lambda name: False) -> Loaded:
 
 def _local_part(ckpt: HFCheckpoint, hf: HFModel, p: Param, part: int, parts: int, st) -> torch.Tensor:
     """This rank's slice of part `part` of megatron parameter p, as megatron's sharded tensor `st`
-    places it in the unsharded tensor."""
+    places it in the unsharded tensor: only the rows of p's HF tensors that the slice is made of
+    (p.transform's runs), each tensor read once, then cut along the other dims."""
     if st.prepend_axis_num or st.flattened_range is not None:
         raise NotImplementedError(f"{st.key}: a sharded tensor with prepended axes or a flattened range")
     offset, shape, whole = tuple(st.global_offset), tuple(st.local_shape), tuple(st.global_shape)
-    source = p.transform.part_source(part, parts)
-    cut = [d for d in range(len(shape)) if shape[d] != whole[d]]
-    if source is not None and cut in ([], [0]):  # only its rows: read just those
-        name = p.hf[source]
-        _check_shape(ckpt, name, whole)
-        return ckpt.get_rows(name, offset[0], offset[0] + shape[0]) if shape else ckpt.get(name)
-    full = p.to_mcore(hf, [ckpt.get(h) for h in p.hf])
-    t = full.chunk(parts, dim=0)[part] if parts > 1 else full  # as megatron's factory cuts it at TP 1
-    if tuple(t.shape) != whole:
-        raise CheckpointError(f"{ckpt.path}: {p.mcore} has shape {list(t.shape)} from {', '.join(p.hf)}, "
-                              f"the model needs {list(whole)}")
-    return t[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    runs = _runs(ckpt, hf, p, [parts * whole[0], *whole[1:]] if whole else [])
+    if not whole:
+        return ckpt.get(p.hf[0])  # a scalar
+    lo = part * whole[0] + offset[0]
+    pieces, at = [], 0  # the slice's rows [lo, lo + shape[0]) of the megatron tensor, as runs of HF rows
+    for i, a, b in runs:
+        a2, b2 = a + max(lo - at, 0), min(b, a + lo + shape[0] - at)
+        if a2 < b2:
+            pieces.append((i, a2, b2))
+        at += b - a
+    span = {i: (min(a for j, a, _ in pieces if j == i), max(b for j, _, b in pieces if j == i)) for i, _, _ in pieces}
+    read = {i: ckpt.get_rows(p.hf[i], a, b) for i, (a, b) in span.items()}
+    rows = [read[i][a - span[i][0]:b - span[i][0]] for i, a, b in pieces]
+    t = rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+    return t[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:])))]
 
 
-def _check_shape(ckpt: HFCheckpoint, name: str, want: tuple[int, ...]) -> None:
-    got = tuple(ckpt.meta[name]["shape"]) if name in ckpt else None
-    if got is not None and got != want:
-        raise CheckpointError(f"{ckpt.path}: tensor {name} has shape {list(got)}, the model needs {list(want)}")
+def _runs(ckpt: HFCheckpoint, hf: HFModel, p: Param, need: list[int]) -> list[tuple[int, int, int]]:
+    """p.transform's runs of p's HF tensors, checked to make a megatron tensor of shape `need`."""
+    missing = [h for h in p.hf if h not in ckpt]
+    if missing:
+        raise CheckpointError(f"{ckpt.path}: tensor {missing[0]!r} is not in the checkpoint")
+    shapes = [list(ckpt.meta[h]["shape"]) for h in p.hf]
+    try:
+        runs = p.transform.runs(hf, [s[0] if s else 1 for s in shapes])
+    except ValueError:
+        runs = None
+    if runs is None or any(s[1:] != need[1:] for s in shapes) or sum(b - a for _, a, b in runs) != (need or [1])[0]:
+        raise CheckpointError(f"{ckpt.path}: {p.mcore} is made of {', '.join(p.hf)} of shape(s) "
+                              f"{', '.join(map(str, shapes))}; the model needs {need}")
+    return runs

@@ -15,8 +15,9 @@ from tqdm import tqdm
 
 from mcore_rl.convert.hf_io import CheckpointError, HFCheckpoint, atomic_dir, copy_side_files
 from mcore_rl.models.mappings import mapping_for
-from mcore_rl.convert.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, expected_hf_shapes, write_torch_dist
+from mcore_rl.convert.mcore_ckpt import HF_DIR, MCORE_RL_META, TorchDistReader, write_torch_dist
 from mcore_rl.convert.planned_writer import Planned, PlannedWriter
+from mcore_rl.memory.layout import hf_shapes, inventory
 from mcore_rl.models.checks import unread_keys_warning
 from mcore_rl.models.config import HFModel, validate_layout
 
@@ -62,7 +63,7 @@ def check_shapes_and_dtypes(hf: HFModel, ckpt: HFCheckpoint, names) -> None:
     (FP8 only with its block scales), checked from the shard headers before anything is written:
     a transposed or reshaped tensor would otherwise be written under the planned metadata and
     fail only when read. The first misfit in the model's order is named."""
-    expected = expected_hf_shapes(hf)
+    expected = hf_shapes(hf)
     for name in names:
         got, want = tuple(ckpt.meta[name]["shape"]), expected.get(name)
         dtype = ckpt.meta[name]["dtype"]
@@ -188,7 +189,6 @@ def random_hf(hf_config: str, out: str, dtype: str = "bf16", seed: int = 0,
     import zlib
 
     from mcore_rl.convert.hf_io import ShardedWriter
-    from mcore_rl.memory.layout import inventory
 
     hf = _checked_model(hf_config)
     cast, std = DTYPES[dtype], float(hf.get("initializer_range", 0.02))

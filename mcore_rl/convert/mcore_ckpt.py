@@ -243,17 +243,6 @@ def check_data_files(ckpt: str, metadata, files: dict[str, str] | None = None) -
             raise CheckpointError(f"{path}: truncated: {have} bytes, the checkpoint's .metadata needs {size}")
 
 
-def expected_hf_shapes(hf: HFModel) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor's shape as the model `hf`'s config.json implies it: megatron's meta-device
-    model at TP=PP=EP=1 (skeleton), each parameter taken back through its mapping rule."""
-    _, entries = skeleton(hf, torch.float32)
-    out = {}
-    for e in entries.values():
-        full = _merged(e, [torch.empty(s, device="meta") for s in e.shapes])
-        out.update({name: tuple(t.shape) for name, t in e.param.to_hf(hf, full).items()})
-    return out
-
-
 def _merged(entry, parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if entry.factory is None else entry.factory.merge_fn(parts)
 

@@ -34,15 +34,17 @@ from mcore_rl.checkpoint.steps import Checkpointer
 from mcore_rl.preflight.run_dir import RunLock
 
 
-def train(cfg: C.Config, inputs=None, replay: str | None = None, stop_on_signal: bool = False) -> dict:
+def train(cfg: C.Config, inputs=None, replay: str | None = None, stop_on_signal: bool = False,
+          start_console: StartConsole | None = None) -> dict:
     """The RL loop. inputs: preflight.check_inputs(cfg), where the caller has made it; replay: a
     rollout_dump_dir to train on instead of sampling (no engine, no prompts, no validation);
-    stop_on_signal: SIGTERM and SIGINT raise Stopped (the command line's run)."""
-    inputs = inputs if inputs is not None else check_inputs(cfg, replay=replay)
+    stop_on_signal: SIGTERM and SIGINT raise Stopped (the command line's run); start_console: the
+    caller's, which showed its checks."""
+    start_console = start_console or StartConsole()  # a line per start-up phase, with its seconds
+    inputs = inputs if inputs is not None else check_inputs(cfg, replay=replay, console=start_console)
     train_task, val_task = inputs.train, inputs.val
     run_dir = os.path.abspath(cfg.trainer.output_dir)
     plan = memory_plan(cfg)
-    start_console = StartConsole()  # a line per start-up phase, with its seconds
     with start_console.phase("starting Ray, placing the trainer"):
         start_ray(cfg)
         if stop_on_signal:

@@ -70,6 +70,12 @@ def inventory(hf: HFModel) -> tuple[Weight, ...]:
     return _inventory(json.dumps(hf.cfg, sort_keys=True))
 
 
+def hf_shapes(hf: HFModel) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor's shape as the model `hf`'s config.json implies it (the checks of an HF
+    checkpoint: built once a process, the run's memory plan reuses the preflight's)."""
+    return {name: shape for w in inventory(hf) for name, shape in w.hf}
+
+
 # ----------------------------------------------------------------------------- megatron side
 def megatron_rank_numel(weights, hf: HFModel, *, tp: int, pp: int, ep: int, etp: int,
                         stage: int) -> dict[str, int]:

@@ -10,6 +10,7 @@ file or key, exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -31,8 +32,10 @@ class Inputs:
     val: object | None
 
 
-def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: str | None = None) -> Inputs:
-    """replay: the directory of dumped rollouts the run trains on (it reads no prompts)."""
+def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: str | None = None, console=None) -> Inputs:
+    """replay: the directory of dumped rollouts the run trains on (it reads no prompts); console: the
+    run's StartConsole, which shows the check of an HF checkpoint as a start-up phase (seconds: it
+    builds megatron's model on the meta device)."""
     check_output_dir(cfg.trainer)
     check_same_model(os.path.abspath(cfg.trainer.output_dir), config_checks.hf_model_dims(cfg.model))
     if cfg.trainer.resume == "auto":
@@ -44,7 +47,7 @@ def check_inputs(cfg: C.Config, *, dry_run: bool = False, replay: str | None = N
 
         check_replay(replay, config_checks.hf_model_dims(cfg.model))
     _check_multiturn_code(cfg)
-    tokenizer_here = _check_model_files(cfg, dry_run)
+    tokenizer_here = _check_model_files(cfg, dry_run, console)
     _warn_unread_hf_keys(cfg.model)
     engine_kwargs.check_known(cfg.rollout.engine, cfg.rollout.engine_kwargs, cfg.cluster.device)
     for line in config_checks.inert_options(cfg):
@@ -115,7 +118,7 @@ def check_output_dir(t: C.TrainerConfig) -> None:
                                            "(trainer.resume=auto) or choose a new trainer.output_dir")
 
 
-def _check_model_files(cfg: C.Config, dry_run: bool) -> bool:
+def _check_model_files(cfg: C.Config, dry_run: bool, console=None) -> bool:
     """The run reads the model and tokenizer directories, which must be here; a dry run plans for
     the cluster it names, where they may live. Returns whether the tokenizer can be loaded here."""
     m = cfg.model
@@ -125,7 +128,8 @@ def _check_model_files(cfg: C.Config, dry_run: bool) -> bool:
         from mcore_rl.convert.hf_mcore import checked_hf_checkpoint
 
         for path in config_checks.initial_weights(cfg).values():
-            checked_hf_checkpoint(path)  # every tensor there, of its shape, from the headers: before anything starts
+            with console.phase(f"checking {path} against the model's shapes") if console else contextlib.nullcontext():
+                checked_hf_checkpoint(path)  # every tensor there, of its shape, from the headers: before anything starts
         if m.tokenizer_path and not os.path.isdir(m.tokenizer_path):
             kind = "not a directory" if os.path.exists(m.tokenizer_path) else "no such directory"
             raise BadInput(f"{m.tokenizer_path}: {kind} (model.tokenizer_path)")

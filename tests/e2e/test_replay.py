@@ -61,12 +61,14 @@ def test_replay_grad_norm_agrees_across_layouts(tmp_path):
 
 
 def _started_from_hf(log: str, hf: str, run_dir: str) -> None:
-    """The start from an HF checkpoint on the console: each rank reading its own shard (a phase with
-    its seconds, and what they read), and no converted copy in the run directory."""
+    """The start from an HF checkpoint on the console: its check against the model's shapes, the first
+    phase, and each rank reading its own shard (phases with their seconds, and what they read), and no
+    converted copy in the run directory."""
     from mcore_rl.metrics.console import start_record
 
     phases = [name for name, _ in start_record(log.splitlines())["phases"]]
-    assert phases[1:4] == ["building the trainer's model (2 ranks)",
+    assert phases[:2] == [f"checking {hf} against the model's shapes", "starting Ray, placing the trainer"], log
+    assert phases[2:5] == ["building the trainer's model (2 ranks)",
                            f"reading the initial weights, each rank its shard of {hf}", "making the optimizer"], log
     assert re.search(r"^initial weights: 2 ranks read [\d.]+ GiB \([\d.]+-[\d.]+ GiB a rank\) in [\d.]+ s", log, re.M), log
     copies = [d for d, _, files in os.walk(run_dir) if "metadata.json" in files  # a torch_dist checkpoint

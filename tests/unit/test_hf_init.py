@@ -1,8 +1,9 @@
 """A start from an HF checkpoint: every trainer rank reads its own shard straight from the safetensors
 (mcore_rl.checkpoint.hf_init) and ends with the parameters megatron's own checkpoint loader gives it
 from the converter's torch_dist copy, bit for bit, at TP2 x ETP2, EP2 and PP2; and it reads exactly
-the tensors its shard is made of (only its rows of those split along dim 0), counted by the reader
-and by the kernel's tally of the process's reads."""
+the tensors its shard is made of (only its rows of those split along dim 0, a QKV's and a GLU's too),
+each at most once, no more than its shard but for what can only be read whole (named in
+_expected_reads), counted by the reader and by the kernel's tally of the process's reads."""
 
 from __future__ import annotations
 
@@ -46,10 +47,15 @@ def _rchar() -> int:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("rchar:"))
 
 
-def _expected_reads(model, hf, hf_dir: str) -> dict[str, int]:
-    """HF tensor -> the bytes a rank holding `model` must read of it, from megatron's own TP marks on
-    its parameters: a dim-0 slice of a tensor copied or stacked (gate/up) as it is, only its rows;
-    anything else whole, once (FP8 with its block scales)."""
+def _expected_reads(model, hf, hf_dir: str) -> tuple[dict[str, int], int, dict[str, int]]:
+    """HF tensor -> the bytes a rank holding `model` must read of it, from megatron's own TP marks on its
+    parameters alone (not from how the reader works): of a tensor its parameter slices along dim 0 (a
+    column-parallel weight, a GLU's gate and up, a QKV's KV groups: every mapping only reorders whole rows),
+    or holds whole, exactly its share of the rows; whole, once, what cannot be read by rows: a tensor its
+    parameter slices along dim 1 (row-parallel at TP > 1: a column block is not contiguous in the file) and
+    an FP8 block-scaled weight with its scales (a block spans 128 rows). Also the rank's shard (its
+    parameters' share of the HF bytes) and, of the tensors read whole, the bytes beyond their share: the
+    only reads allowed beyond the shard."""
     from mcore_rl.convert.hf_io import HFCheckpoint
     from mcore_rl.models.builder import global_names
     from mcore_rl.models.mappings import mapping_for
@@ -57,20 +63,25 @@ def _expected_reads(model, hf, hf_dir: str) -> dict[str, int]:
     ckpt = HFCheckpoint(hf_dir)
     params = mapping_for(hf).by_mcore(hf)
     global_name = global_names(model, hf.num_experts)
-    out = {}
+    out, shard, beyond = {}, 0, {}
     for name, t in model.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state"):
             continue
         p = params.get(global_name(name)) or params["embedding.word_embeddings.weight"]  # a tied head
-        rows = sum(ckpt.meta[h]["shape"][0] for h in p.hf)
-        by_rows = getattr(t, "tensor_model_parallel", False) and t.partition_dim == 0 \
-            and p.transform.name in ("copy", "glu")
+        numel = sum(torch.Size(ckpt.meta[h]["shape"]).numel() for h in p.hf)
+        by_rows = not getattr(t, "tensor_model_parallel", False) or t.partition_dim == 0
         for h in p.hf:
-            if ckpt.block_scaled(h):  # FP8 blocks span rows: the tensor and its scales whole
+            share = ckpt.nbytes(h) * t.numel() // numel
+            shard += share
+            if ckpt.block_scaled(h):
                 out[h], out[h + "_scale_inv"] = ckpt.nbytes(h), ckpt.nbytes(h + "_scale_inv")
+                beyond[h] = out[h] + out[h + "_scale_inv"] - share
+            elif by_rows:
+                out[h] = share
             else:
-                out[h] = ckpt.nbytes(h) * t.shape[0] // rows if by_rows else ckpt.nbytes(h)
-    return out
+                out[h] = ckpt.nbytes(h)
+                beyond[h] = out[h] - share
+    return out, shard, beyond
 
 
 def _assert_equal(a: dict, b: dict, where) -> None:
@@ -114,7 +125,8 @@ def _each_layout(rank, root):
                 _assert_equal({k: v for k, v in value.state_dict().items() if not k.startswith(critic.HEAD)}, trunk,
                               ("critic", lay, rank))
                 assert not head.any()
-            report[f"{fam} {json.dumps(lay)}"] = dict(read=got.read, expected=_expected_reads(direct, hf, hf_dir),
+            expected, shard, beyond = _expected_reads(direct, hf, hf_dir)
+            report[f"{fam} {json.dumps(lay)}"] = dict(read=got.read, expected=expected, beyond=beyond, shard=shard,
                                                       rchar=rchar)
             ps.destroy_model_parallel()
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
@@ -132,8 +144,11 @@ def test_each_rank_reads_its_own_shard_and_gets_the_converted_weights(models):
         total = sum(ckpt.nbytes(n) for n in ckpt.names())
         headers = sum(ckpt._data_start.values())  # each shard's header, read when the reader opens it
         for r, rep in enumerate(rank[case] for rank in ranks):
-            assert rep["read"] == rep["expected"], (case, r)
             read = sum(rep["read"].values())
+            # no tensor read twice, nothing beyond the shard but what cannot be read by rows
+            assert all(n <= ckpt.nbytes(h) for h, n in rep["read"].items()), (case, r)
+            assert read <= rep["shard"] + sum(rep["beyond"].values()), (case, r, read, rep["shard"], rep["beyond"])
+            assert rep["read"] == rep["expected"], (case, r)
             # the kernel saw these reads and little else (the shard headers, twice, through 8 KiB buffers)
             assert read <= rep["rchar"] <= read + 2 * headers + 2**14, (case, r, read, rep["rchar"])
             assert read < 0.8 * total, (case, r, read, total)  # a shard, not the model

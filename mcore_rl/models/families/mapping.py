@@ -24,62 +24,69 @@ def always(m: HFModel, layer: int) -> bool:
 
 
 class Transform:
-    """How HF tensors combine into one megatron tensor, and back."""
+    """How HF tensors combine into one megatron tensor, and back.
+
+    Every transform here only puts whole rows (dim 0) of its HF tensors in another order, so it is
+    described by `runs`: the megatron tensor's rows, top to bottom, as runs of rows of its HF
+    tensors. The converter builds the tensor from them; a trainer rank reads from them only the
+    rows of its own slice (mcore_rl.checkpoint.hf_init)."""
 
     name = "copy"
 
+    def runs(self, m: HFModel, rows: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(i, start, stop): rows [start, stop) of HF tensor i, for HF tensors of `rows` rows each;
+        ValueError where those are not the sizes model `m` has (each row used exactly once)."""
+        runs = self._runs(m, rows) if len(rows) == self.tensors else []
+        used = [0] * len(rows)
+        for i, a, b in runs:
+            used[i] += b - a if 0 <= a <= b <= rows[i] else -1
+        if not runs or used != list(rows):
+            raise ValueError(f"HF tensors of {list(rows)} rows do not make one {self.name} tensor of this model")
+        return runs
+
+    tensors = 1  # HF tensors it combines
+
+    def _runs(self, m: HFModel, rows: Sequence[int]) -> list[tuple[int, int, int]]:
+        return [(0, 0, rows[0])]
+
     def to_mcore(self, m: HFModel, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        (t,) = tensors
-        return t
+        import torch
+
+        rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        runs = self.runs(m, rows)
+        if len(runs) == 1 and runs[0] == (0, 0, rows[0]):
+            return tensors[0]  # a copy, as it is (a scalar too)
+        return torch.cat([tensors[i][a:b] for i, a, b in runs], dim=0)
 
     def to_hf(self, m: HFModel, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (t,)
-
-    def part_source(self, part: int, parts: int) -> int | None:
-        """Which HF tensor is, unchanged, part `part` of the megatron tensor cut into `parts` along
-        dim 0 (as megatron's checkpoints store it); None where no one is. A rank then reads only its
-        rows of that tensor (mcore_rl.checkpoint.hf_init)."""
-        return 0 if parts == 1 else None
 
 
 class GLU(Transform):
     """megatron's linear_fc1 is [gate; up] along the output dim."""
 
-    name = "glu"
+    name, tensors = "glu", 2
 
-    def to_mcore(self, m, tensors):
-        import torch
-
-        return torch.cat(tensors, dim=0)
+    def _runs(self, m, rows):
+        return [(i, 0, n) for i, n in enumerate(rows)]
 
     def to_hf(self, m, t):
         return tuple(t.chunk(2, dim=0))
-
-    def part_source(self, part, parts):
-        return part if parts == 2 else None  # megatron stores gate and up as two tensors
 
 
 class QKV(Transform):
     """megatron's linear_qkv interleaves heads per KV group: [q_g0 k_g0 v_g0 q_g1 ...]."""
 
-    name = "qkv"
+    name, tensors = "qkv", 3
 
     @staticmethod
     def _dims(m: HFModel):
         g, d = m.num_kv_heads, m.head_dim
         return g, m.num_attention_heads // g * d, d
 
-    def to_mcore(self, m, tensors):
-        import torch
-
+    def _runs(self, m, rows):
         g, qd, d = self._dims(m)
-        q, k, v = tensors
-        tail = q.shape[1:]
-        return torch.cat([q.reshape(g, qd, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)],
-                         dim=1).reshape(-1, *tail)
-
-    def part_source(self, part, parts):
-        return None  # each KV group's rows interleave q, k and v
+        return [(i, k * w, (k + 1) * w) for k in range(g) for i, w in enumerate((qd, d, d))]
 
     def to_hf(self, m, t):
         g, qd, d = self._dims(m)
