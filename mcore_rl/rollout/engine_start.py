@@ -1,4 +1,5 @@
-"""What an engine is doing while it starts, shown on the driver's console.
+"""What an engine is doing while it starts, and later while it compiles kernels, shown on the
+driver's console.
 
 An engine's start-up can take minutes (weights, KV cache, CUDA graphs, and on a fresh node kernels
 compiled on first use: flashinfer's TRT-LLM all-reduce fusion sat in nvcc for minutes at TP 4) while
@@ -8,7 +9,7 @@ ninja: what they build); the driver, waiting, reads the newest phase from the lo
 SGLang's and vLLM's own start-up lines too where their log level shows them) and prints which engine
 nodes are starting, for how long and doing what: from PROGRESS_S seconds on, when a phase changes and
 otherwise every HEARTBEAT_S (mcore_rl.rollout.group). A node whose log is on another machine shows its
-seconds only.
+seconds only. Past the start, a generate or log-prob call that waits on a compile says so alike.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MARK = "[mcore_rl] engine start:"
 PROGRESS_S = 10.0  # the driver's first line for engines still starting, and the least time between two
 HEARTBEAT_S = 60.0  # between two lines while no engine's phase changes
 POLL_S = 5.0  # how often the driver looks
+COMPILING = "compiling "  # how a CompileWatch's mark begins
 COMPILERS = ("nvcc", "cicc", "ptxas", "ninja", "nvlink", "fatbinary", "cudafe++", "cc1plus")
 TAIL_BYTES = 1 << 16
 # lines of the engines' own logs (info level) -> the phase they begin
@@ -53,20 +55,28 @@ def compile_target(name: str, cmdline: list[str]) -> str:
 
 class CompileWatch:
     """While running, marks each compiler process among this process's descendants (with what it
-    builds) and, when none runs any more, for how long they ran."""
+    builds) and, when none runs any more, for how long they ran. The engine actors run one from
+    their engine's start to its end: kernels compiled on first use (flashinfer's prefill at the
+    first request) are marked as those at the start are."""
 
     def __init__(self, interval_s: float = 1.0):
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mcore_rl-compile-watch", daemon=True)
 
-    def __enter__(self):
+    def start(self) -> "CompileWatch":
         self._thread.start()
         return self
 
-    def __exit__(self, *exc):
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
 
     def compiling(self) -> list[str]:
         import psutil
@@ -87,7 +97,7 @@ class CompileWatch:
             now = self.compiling()
             if now and now != shown:
                 since = since or time.monotonic()
-                mark("compiling " + ", ".join(now[:3]) + (f" and {len(now) - 3} more" if len(now) > 3 else ""))
+                mark(COMPILING + ", ".join(now[:3]) + (f" and {len(now) - 3} more" if len(now) > 3 else ""))
             elif not now and since is not None:
                 mark(f"compiles done after {time.monotonic() - since:.0f} s")
                 since = None

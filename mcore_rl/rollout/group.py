@@ -22,11 +22,18 @@ from mcore_rl.rollout.base import (MEMORY_TAGS, Completion, EngineError, Request
                                    split, unflatten)
 
 
-def _wait(refs: list, what: str, names: list[str], timeout_s: float) -> list:
-    """ray.get with a deadline; failures name the engine (`names[i]` for refs[i])."""
+def _wait(refs: list, what: str, names: list[str], timeout_s: float, logs: list[list] | None = None,
+          started: bool = False) -> list:
+    """ray.get with a deadline; failures name the engine (`names[i]` for refs[i]). `logs` (refs[i]'s
+    engine log files): meanwhile the console says what the engines are doing (`_watch`); `started`:
+    the engines' start-up, every phase of it shown, and a last line once they are up."""
+    if not refs:
+        return []
     import ray
 
     deadline = time.monotonic() + timeout_s
+    if logs is not None:
+        _watch(refs, what, names, logs, deadline, started)
     out = []
     for ref, name in zip(refs, names):
         try:
@@ -41,36 +48,44 @@ def _wait(refs: list, what: str, names: list[str], timeout_s: float) -> list:
     return out
 
 
-def _wait_started(refs: list, names: list[str], logs: list[str | None], timeout_s: float) -> list:
-    """`_wait` for the engines' start-up that says on the console which are still starting, for how
-    long and what they are doing (`engine_start.latest_phase` of their logs): from PROGRESS_S seconds
-    on, when that changes (at most every PROGRESS_S) and otherwise every HEARTBEAT_S. An engine that
-    fails is reported as soon as it does, not after the slowest one has started."""
-    import ray
+def _watch(refs: list, what: str, names: list[str], logs: list[list], deadline: float, started: bool,
+           wait: Callable | None = None) -> None:
+    """Until `refs` are done (one that fails raises at once) or the deadline: from PROGRESS_S seconds
+    on, a console line for the engines still busy, for how long and doing what (the newest phase in
+    their logs: `engine_start.latest_phase`), when that changes (at most every PROGRESS_S) and
+    otherwise every HEARTBEAT_S. Past the start-up only while they compile kernels: a JIT compile on
+    first use (flashinfer's prefill kernels, at the first request) is otherwise minutes of silence.
+    `wait`: ray.wait's stand-in (tests)."""
+    from mcore_rl.rollout.engine_start import COMPILING, HEARTBEAT_S, POLL_S, PROGRESS_S, latest_phase
 
-    from mcore_rl.rollout.engine_start import HEARTBEAT_S, POLL_S, PROGRESS_S, latest_phase
+    if wait is None:
+        import ray
 
+        wait = ray.wait
     t0 = time.monotonic()
     pending, shown, shown_at = list(range(len(refs))), None, t0
-    while pending and (left := timeout_s - (time.monotonic() - t0)) > 0:
-        ready, _ = ray.wait([refs[i] for i in pending], num_returns=len(pending), timeout=min(POLL_S, left))
+    while pending and (left := deadline - time.monotonic()) > 0:
+        ready, _ = wait([refs[i] for i in pending], num_returns=len(pending), timeout=min(POLL_S, left))
         done = [i for i in pending if refs[i] in set(ready)]
-        _wait([refs[i] for i in done], "start-up", [names[i] for i in done], timeout_s)  # raises if one failed
+        _wait([refs[i] for i in done], what, [names[i] for i in done], left)  # raises if one failed
         pending = [i for i in pending if i not in done]
         now = time.monotonic()
-        by_phase: dict = {}  # engine nodes doing the same share a line
+        by_phase: dict = {}  # engines doing the same share a line
         for i in pending:
-            by_phase.setdefault(latest_phase(logs[i]), []).append(names[i])
+            phases = [p for p in map(latest_phase, logs[i]) if p]
+            compiling = next((p for p in phases if p.startswith(COMPILING)), None)
+            phase = (phases[0] if phases else None) if started else compiling
+            if started or phase:
+                by_phase.setdefault(phase, []).append(names[i])
         changed = sorted(by_phase.items(), key=str) != shown
-        if pending and now - t0 >= PROGRESS_S and now - shown_at >= (PROGRESS_S if changed else HEARTBEAT_S):
+        if by_phase and now - t0 >= PROGRESS_S and now - shown_at >= (PROGRESS_S if changed else HEARTBEAT_S):
             for phase, who in by_phase.items():
                 who = who[0] if len(who) == 1 else f"{len(who)} engine nodes ({', '.join(who)})"
-                print(f"{who}: starting ({now - t0:.0f} s){': ' + phase if phase else ''}", flush=True)
+                print(f"{who}: {'starting' if started else what} ({now - t0:.0f} s){': ' + phase if phase else ''}",
+                      flush=True)
             shown, shown_at = sorted(by_phase.items(), key=str), now
-    out = _wait(refs, "start-up", names, max(0.0, timeout_s - (time.monotonic() - t0)))
-    if shown is not None:  # the lines above said they were starting: say they are up
+    if started and shown is not None and not pending:  # the lines above said they were starting: say they are up
         print(f"{len(refs)} engine node(s) started in {time.monotonic() - t0:.0f} s", flush=True)
-    return out
 
 
 @dataclass
@@ -165,6 +180,9 @@ class EngineGroup:
         self.logs = [log_file(log_dir, s.engine, s.node_rank) if log_dir else None for s in slots]
         self.heads = [a for a, s in zip(self.actors, slots) if s.node_rank == 0]
         self.head_names = [n for n, s in zip(self.names, slots) if s.node_rank == 0]
+        # each engine's log files, all its nodes' (a node's compiles are in its own)
+        self.engine_logs = [[log for log, s in zip(self.logs, slots) if s.engine == h.engine and log]
+                            for h in slots if h.node_rank == 0]
         self._imported = [a.__ray_ready__.remote() for a in self.actors]  # done once its constructor is
         self._starting = None
         if start:
@@ -185,7 +203,8 @@ class EngineGroup:
         """Wait for `start`, within start_timeout_s: an engine that fails or hangs, in its imports
         too, is an EngineError naming it (the engines are shut down)."""
         try:
-            self.info = _wait_started(self._starting, self.names, self.logs, self.start_timeout_s)
+            self.info = _wait(self._starting, "start-up", self.names, self.start_timeout_s,
+                              logs=[[log] for log in self.logs], started=True)
         except EngineError as e:
             self.shutdown()
             if self.log_dir:  # what the engine said is in its log, not on the console
@@ -204,7 +223,7 @@ class EngineGroup:
         chunks = split(requests, self.engines)
         busy = [k for k, c in enumerate(chunks) if c]
         outs = _wait([self.heads[k].generate.remote(chunks[k]) for k in busy], "generate",
-                     [self.head_names[k] for k in busy], self.timeout_s)
+                     [self.head_names[k] for k in busy], self.timeout_s, logs=[self.engine_logs[k] for k in busy])
         done = [c for out in outs for c in out]
         if len(done) != len(requests):
             raise EngineError(f"{self.label} engines returned {len(done)} completions for {len(requests)} requests")
@@ -232,7 +251,7 @@ class EngineGroup:
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[list[float]]]:
         """Each engine's log-probs of every token of `sequences` after its prefix (engine after engine)."""
         return _wait([a.prompt_logprobs.remote(sequences) for a in self.heads], "log-prob check", self.head_names,
-                     self.timeout_s)
+                     self.timeout_s, logs=self.engine_logs)
 
     def release(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         _wait([a.release.remote(list(tags)) for a in self.heads], f"release {list(tags)}", self.head_names,

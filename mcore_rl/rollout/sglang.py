@@ -268,7 +268,7 @@ class SGLangServer:
 
         self.version, self.device, self.engine_module = sglang.__version__, device, engine_module
         self.known = server_arg_names()
-        self.engine, self.start_seconds, self.nccl_port = None, None, None
+        self.engine, self.start_seconds, self.nccl_port, self.compiles = None, None, None, None
         engine_start.mark(f"SGLang {self.version} imported in {time.perf_counter() - t0:.0f} s")
 
     def start(self, engine_args: dict) -> dict:
@@ -289,7 +289,8 @@ class SGLangServer:
         engine_start.mark(f"starting SGLang {self.version}'s engine: model, KV cache"
                           + (", CUDA graphs" if device == "gpu" else ""))
         start = children_forked(self.engine_module) if device == "cpu" else children_skip_main()
-        with start, engine_start.CompileWatch():
+        self.compiles = engine_start.CompileWatch().start()  # for the engine's life: first-use compiles too
+        with start:
             self.engine = self.engine_module.Engine(**engine_args)
         engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
         self.start_seconds = time.perf_counter() - t0
@@ -440,6 +441,9 @@ class SGLangServer:
         return [p.pid for p in psutil.Process().children(recursive=True)]
 
     def shutdown(self) -> None:
+        if self.compiles is not None:
+            self.compiles.stop()
+            self.compiles = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -145,7 +145,7 @@ class VLLMServer:
 
         jit_cache.share_inductor_headers()  # TMPDIR above would keep them in self.tmp, for this engine only
         self.version, self.device, self.llm_class = vllm.__version__, device, LLM
-        self.llm, self.start_seconds, self.asleep = None, None, False
+        self.llm, self.start_seconds, self.asleep, self.compiles = None, None, False, None
         engine_start.mark(f"vLLM {self.version} imported in {time.perf_counter() - t0:.0f} s")
 
     def start(self, engine_args: dict) -> dict:
@@ -155,7 +155,8 @@ class VLLMServer:
         t0 = time.perf_counter()
         engine_start.mark(f"starting vLLM {self.version}'s engine: model, KV cache"
                           + (", compile, CUDA graphs" if self.device == "gpu" else ""))
-        with children_skip_main(), engine_start.CompileWatch():
+        self.compiles = engine_start.CompileWatch().start()  # for the engine's life: first-use compiles too
+        with children_skip_main():
             self.llm = self.llm_class(**engine_args)
         engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
         self.start_seconds = time.perf_counter() - t0
@@ -277,6 +278,9 @@ class VLLMServer:
         return [p.pid for p in psutil.Process().children(recursive=True)]
 
     def shutdown(self) -> None:
+        if self.compiles is not None:
+            self.compiles.stop()
+            self.compiles = None
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None

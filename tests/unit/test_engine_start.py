@@ -127,3 +127,37 @@ def test_engines_of_the_loop_start_on_a_dummy_load_even_from_a_checkpoint(tmp_pa
         == "dummy"
     assert "load_format" not in S.engine_args(cfg, str(tmp_path / "mcore_rl.rollout.sglang_full"), layout, 0, None, 0.5)
     assert V.engine_args(cfg, str(tmp_path / "mcore_rl.rollout.vllm_loop"), layout, 0.5)["load_format"] == "dummy"
+
+
+def test_an_engine_call_that_waits_on_a_compile_says_so(tmp_path, capsys, monkeypatch):
+    """Past the start-up the driver speaks only while an engine compiles kernels (its log's newest
+    phase, marked by the engine's CompileWatch), naming the call and what is built; during the
+    start-up every phase (mcore_rl.rollout.group._watch, ray.wait stood in for: nothing finishes)."""
+    import time
+
+    from mcore_rl.rollout import group
+
+    monkeypatch.setattr(engine_start, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(engine_start, "POLL_S", 0.05)
+    busy, idle = tmp_path / "engine_0_node0.log", tmp_path / "engine_1_node0.log"
+    busy.write_text(f"{engine_start.MARK} started in 40 s\n"
+                    f"{engine_start.MARK} {engine_start.COMPILING}batch_prefill/batch_prefill_sm90.cuda.o (nvcc)\n")
+    idle.write_text(f"{engine_start.MARK} {engine_start.COMPILING}norm.cuda.o (nvcc)\n"
+                    f"{engine_start.MARK} compiles done after 12 s\n")
+
+    def never(refs, num_returns, timeout):
+        time.sleep(timeout)
+        return [], refs
+
+    names = ["SGLang engine 0 node 0", "SGLang engine 1 node 0"]
+    group._watch([object(), object()], "generate", names, [[None, str(busy)], [str(idle)]],
+                 time.monotonic() + 0.5, started=False, wait=never)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all(line.startswith("SGLang engine 0 node 0: generate (0 s): compiling batch_prefill/"
+                                         "batch_prefill_sm90.cuda.o (nvcc)") for line in lines[:1]), lines
+    assert not any("engine 1" in line for line in lines), lines
+    group._watch([object(), object()], "start-up", names, [[str(busy)], [str(idle)]], time.monotonic() + 0.5,
+                 started=True, wait=never)
+    lines = capsys.readouterr().out.splitlines()
+    assert "SGLang engine 1 node 0: starting (0 s): compiles done after 12 s" in lines, lines
+    assert any(line.startswith("SGLang engine 0 node 0: starting (0 s): compiling batch_prefill") for line in lines)
