@@ -25,6 +25,7 @@ POLL_S = 5.0  # how often the driver looks
 COMPILING = "compiling "  # how a CompileWatch's mark begins
 COMPILERS = ("nvcc", "cicc", "ptxas", "ninja", "nvlink", "fatbinary", "cudafe++", "cc1plus")
 TAIL_BYTES = 1 << 16
+TARGET_CHARS = 80  # the most of a compile target a console line shows
 # lines of the engines' own logs (info level) -> the phase they begin
 ENGINE_PHASES = (
     ("Load weight begin", "loading weights"),
@@ -48,8 +49,10 @@ def compile_target(name: str, cmdline: list[str]) -> str:
     path components (flashinfer's `trtllm_comm/csrc_trtllm_allreduce_fusion.cuda.o`); else its name."""
     for flag in ("-o", "-C"):
         if flag in cmdline[:-1]:
-            path = cmdline[cmdline.index(flag) + 1].rstrip("/")
-            return "/".join(path.split("/")[-2:])
+            path = "/".join(cmdline[cmdline.index(flag) + 1].rstrip("/").split("/")[-2:])
+            # flashinfer names a prefill kernel by its every template argument, 400 characters: its
+            # family (the head) and the instance (the tail) tell it apart on a console line
+            return path if len(path) <= TARGET_CHARS else path[:30] + "..." + path[-(TARGET_CHARS - 33):]
     return name
 
 

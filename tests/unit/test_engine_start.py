@@ -27,6 +27,11 @@ def test_compile_target_names_what_is_built():
     assert engine_start.compile_target("ninja", ["ninja", "-v", "-C", "/c/cached_ops/trtllm_comm/"]) \
         == "cached_ops/trtllm_comm"
     assert engine_start.compile_target("ptxas", ["ptxas"]) == "ptxas"
+    kernel = ("batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_head_dim_qk_192_head_dim_vo_128_sm90/"
+              "batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_head_dim_qk_192_head_dim_vo_128_sm90"
+              "_batch_prefill_ragged_sm90_kernel_mask_1.cuda.o")  # flashinfer's, shortened here too
+    assert engine_start.compile_target("nvcc", ["nvcc", "-o", "/c/cached_ops/" + kernel]) \
+        == "batch_prefill_with_kv_cache_dt..._batch_prefill_ragged_sm90_kernel_mask_1.cuda.o"
 
 
 def test_latest_phase_reads_the_newest_start_line(tmp_path):
