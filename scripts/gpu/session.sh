@@ -193,10 +193,11 @@ prepare_model(load_config(sys.argv[1]), sys.argv[2])" "${CONFIG:-configs/moonlig
         esac
         name=first_step_${variant}_L${LAYERS:-4}
         ray stop --force >/dev/null 2>&1
-        timeout "${LIMIT:-240}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
+        timeout "${LIMIT:-300}" python3 benchmarks/rl_loop_bench.py --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
           --out "$OUT/$name.json" --logs "$OUT/${name}_logs" --no-engine-alone \
           rollout.tp_size="${FS_TP:-4}" model.hf_config.num_hidden_layers="${LAYERS:-4}" trainer.total_training_steps=3 \
-          rollout.verify_sync_every=1 rollout.verify_sync_probe=true "${v[@]}" "${EXTRA[@]}" 2>&1 | quiet \
+          rollout.verify_sync_every=1 rollout.verify_sync_probe=true memory.offload_train_states=auto "${v[@]}" "${EXTRA[@]}" \
+          2>&1 | quiet \
           | tee "$OUT/$name.log" | tail -25
         python3 -c "
 import json, sys
