@@ -565,7 +565,7 @@ def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[
     server.start(args)
     try:
         path = os.path.join(os.path.dirname(out), "engine_hidden", "h")
-        server.engine.collective_rpc("mcore_rl_capture_hidden", path=path, tokens=len(tokens))
+        server.capture_hidden(path, len(tokens))
         extra = {"return_routed_experts": True} if server.route_shape else {}
         got = server.engine.generate(input_ids=[tokens], sampling_params={"max_new_tokens": 1, "temperature": 1.0},
                                      return_logprob=True, logprob_start_len=0, **extra)[0]

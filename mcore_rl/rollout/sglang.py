@@ -394,6 +394,11 @@ class SGLangServer:
         (SGLang's collective_rpc reaches all schedulers)."""
         self.engine.collective_rpc("mcore_rl_weight_digests", path=path, derived=derived)
 
+    def capture_hidden(self, path: str, tokens: int) -> None:
+        """Each rank keeps every decoder layer's output of its next forward of `tokens` tokens (a
+        prefill) in `path.tp{rank}.pt` (sglang_plugin.capture_hidden)."""
+        self.engine.collective_rpc("mcore_rl_capture_hidden", path=path, tokens=tokens)
+
     def read_weight_digests(self, path: str) -> dict[int, dict]:
         """{tp rank: {SGLang parameter name: [dtype, shape, bytes, sum, weighted sum]}} of this
         node's ranks, as `write_weight_digests` left them; the files (and their directory when

@@ -4,9 +4,11 @@ next sync). Which of the engine's tensors does the first sync leave stale, and w
 
 The loop's own start (trainer, colocated SGLang engine, first sync read back and probed), then the
 same weights synced again twice: once plainly, once after a release and resume of the engine's
-weights (what each later step does). After each sync: the probe's gap, and the digest of every
-tensor each engine rank holds (parameters, buffers, plain tensor attributes). The weights never
-change, so a tensor whose digest moves between the syncs is state the first sync left stale.
+weights (what each later step does). After each sync: the probe's gap, the digest of every tensor
+each engine rank holds (parameters, buffers, plain tensor attributes), and each decoder layer's
+output in the probe's prefill (rank 0 of engine 0). The weights never change, so a tensor whose
+digest moves between the syncs is state the first sync left stale, and the first layer whose
+output moves is where it acts.
 
     python tests/gpu/first_sync_state.py --config configs/moonlight_2gpu.yaml --out first_sync.json \
         rollout.tp_size=2 memory.offload_train_states=auto cluster.host_memory_gb=240
@@ -19,6 +21,8 @@ import json
 import os
 import sys
 import tempfile
+
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -34,10 +38,21 @@ from mcore_rl.preflight.inputs import check_inputs  # noqa: E402
 from mcore_rl.rollout.launch import Launching  # noqa: E402
 
 
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref, timeout=300)
+
+
 def moved(before: dict, after: dict) -> list[str]:
     """Tensors of any engine rank whose digest differs, as 'engine/rank name'."""
     return sorted(f"{e}/{r} {n}" for e, ranks in after.items() for r, d in ranks.items()
                   for n, v in d.items() if before.get(e, {}).get(r, {}).get(n) != v)
+
+
+def layer_moves(before: torch.Tensor, after: torch.Tensor) -> list[float]:
+    """Per decoder layer, |after - before| relative to |before| (mean over tokens and width)."""
+    return [round(((a - b).abs().mean() / b.abs().mean().clamp_min(1e-12)).item(), 5) for b, a in zip(before, after)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,17 +78,24 @@ def main(argv: list[str] | None = None) -> int:
         engine = launching.start(group)
         sync = launching.weight_sync(group)
         digests["dummy"] = engine.weight_digests(derived=True)
+        hidden, where = {}, os.path.join(run_dir, "hidden", "h")
+        tokens = sync.probe.numel()  # the probe's prefill: one forward of its sequences
         for name, release in (("first", False), ("again", False), ("after_release", True), ("again_2", False)):
             if release:
                 engine.release(["weights"])
                 engine.resume(["weights"])
+            ray_get(engine.heads[0].capture_hidden.remote(f"{where}_{name}", tokens))
             metrics = sync(verify=True)
             probe = {**{k: v for k, v in metrics.items() if "probe" in k}, **sync.probe_if_due()}  # the first's inside
             digests[name] = engine.weight_digests(derived=True)
             previous = list(digests)[-2]
+            kept = f"{where}_{name}.tp0.pt"
+            hidden[name] = torch.load(kept, weights_only=True) if os.path.exists(kept) else None
             rows.append({"sync": name, "released_before": release, "verified": metrics.get("sync/verified"),
                          **{k: round(v, 4) for k, v in probe.items()},
                          "moved_since_" + previous: moved(digests[previous], digests[name])})
+            if name != "first" and hidden[name] is not None and hidden["first"] is not None:
+                rows[-1]["layer_output_moved_since_first"] = layer_moves(hidden["first"], hidden[name])
             print(json.dumps({k: v if not isinstance(v, list) else f"{len(v)}: {v[:12]}"
                               for k, v in rows[-1].items()}), flush=True)
     finally:
