@@ -342,8 +342,9 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
     engine arguments of every FP8 engine, a kind's own on top (`parse_kind`); `done(out)` after each."""
     import torch
 
+    from mcore_rl.models.config import HFModel
     from mcore_rl.rollout.model_files import engine_model_dir
-    from mcore_rl.sync import fp8
+    from mcore_rl.sync.engine_layout import EngineLayout, fp8_quantization_config
 
     raw = config_only_model(hf_config, os.path.join(work, "config_only"))
     eos = [hf_config.get("eos_token_id") or 1]
@@ -353,9 +354,11 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
     out = {}
     for i, kind in enumerate(kinds):
         base, own = parse_kind(kind)
-        model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos,
-                                     quantization_config=fp8.QUANTIZATION_CONFIG if base == "fp8" else None)
         extra = {**(fp8_args or {}), **own} if base == "fp8" else own
+        # at this engine's layout, as the loop's engines: layers not whole FP8 blocks per rank stay bf16
+        quantization = fp8_quantization_config(HFModel.from_dict(hf_config), EngineLayout(
+            extra.get("tp_size", 1), extra.get("ep_size", 1))) if base == "fp8" else None
+        model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos, quantization_config=quantization)
         attention = extra.pop("attention_backend", backend)  # a kind's own backend replaces the config's
         t0 = time.perf_counter()
         eng = engine(model_dir, attention, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,

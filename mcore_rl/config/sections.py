@@ -138,7 +138,9 @@ class RolloutConfig(Section):
         "writes one); null: the tiles SGLang ships, or its generic default where it ships none"))
     weight_dtype: Literal["bf16", "fp8"] = Field("bf16", description=(
         "fp8: the engine's linear weights are DeepSeek-V3's block FP8 (e4m3, a scale per 128 x 128 block), quantized "
-        "in each sync; training stays in model.dtype. Turns token TIS on by default (ppo.correction_settings). SGLang"))
+        "in each sync; a layer whose slice per engine rank is not whole blocks stays in model.dtype (listed in the "
+        "engine config's ignored_layers). Training stays in model.dtype. Turns token TIS on by default "
+        "(ppo.correction_settings). SGLang"))
     env: str | None = Field(None, description=(
         "multi-turn rollouts: package.module:Class of the environment, built per conversation (async reset(sample), "
         "step(model_turn) -> (observation, reward, done); mcore_rl/rollout/multiturn.py, README 'Multi-turn rollouts')"))

@@ -154,9 +154,10 @@ def _engine_shard(hf: HFModel, hf_name: str, tp: int, ep: int, rank: int):
 def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
                    dtype: torch.dtype = torch.bfloat16, weight_dtype: str = "bf16") -> dict[str, EngineTensor]:
     """The SGLang model's tensors on engine rank `rank` (experts: the rank's contiguous block).
-    `weight_dtype="fp8"`: what the engine runs in FP8 is e4m3 plus an fp32 weight_scale_inv."""
+    `weight_dtype="fp8"`: what the engine runs in FP8 at this layout is e4m3 plus an fp32
+    weight_scale_inv; the linear layers it keeps in `dtype` there (`runs_in_fp8`) count as such."""
     from mcore_rl.sync import fp8
-    from mcore_rl.sync.engine_layout import keeps_fp32, runs_in_fp8
+    from mcore_rl.sync.engine_layout import EngineLayout, keeps_fp32, runs_in_fp8
 
     ep_rank = rank // (tp // ep)
     per_ep = hf.num_experts // ep if hf.num_experts else 0
@@ -168,7 +169,7 @@ def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
             continue
         tensors = []
         for hf_name, shape in w.hf:
-            if weight_dtype == "fp8" and runs_in_fp8(hf_name, hf):
+            if weight_dtype == "fp8" and runs_in_fp8(hf_name, hf, EngineLayout(tp, ep)):
                 tensors += [(hf_name, shape, fp8.E4M3), (fp8.scale_name(hf_name), fp8.scale_shape(shape), torch.float32)]
             else:
                 tensors.append((hf_name, shape, torch.float32 if keeps_fp32(hf_name, hf) else dtype))

@@ -65,10 +65,11 @@ class Launching:
         _check_cpu_tp(cfg)
         # weights=False: the first sync gives the engines their weights, so they build on a dummy load
         # rather than read the checkpoint's files (a start from model.hf_path) only to overwrite them
-        self.model_dir = server.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids,
-                                                 cfg.cluster.device, cfg.rollout.weight_dtype, weights=False)
         self.layout = EngineLayout(cfg.rollout.tp_size, cfg.rollout.ep_size, placement.nnodes,
                                    cfg.rollout.tp_size // placement.nnodes)
+        self.model_dir = server.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids,
+                                                 cfg.cluster.device, cfg.rollout.weight_dtype, weights=False,
+                                                 layout=self.layout)
         t0 = time.perf_counter()
         if placement.colocate:
             self.bundles = bundle_devices(pg, len(placement.trainer_gpus), cfg.cluster.device,

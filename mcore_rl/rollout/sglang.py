@@ -29,15 +29,21 @@ SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_site
 
 
 def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], device: str,
-                     weight_dtype: str = "bf16", weights: bool = True) -> str:
+                     weight_dtype: str = "bf16", weights: bool = True, layout: EngineLayout | None = None) -> str:
     """`hf_dir` as SGLang should read it (`model_files.engine_model_dir`). On CPU SGLang's DeepSeek
     rope needs a `yarn` entry: yarn with factor 1 is plain rope, so the model is unchanged. With FP8
-    weights the config carries an FP8 DeepSeek-V3 checkpoint's quantization_config."""
-    from mcore_rl.sync.fp8 import QUANTIZATION_CONFIG
+    weights the config carries an FP8 DeepSeek-V3 checkpoint's quantization_config, its
+    ignored_layers those the engine `layout` keeps in the model's dtype (as the sync sends them)."""
+    quantization_config = None
+    if weight_dtype == "fp8":
+        from mcore_rl.models.config import HFModel
+        from mcore_rl.sync.engine_layout import fp8_quantization_config
 
+        if layout is None:
+            raise ValueError("FP8 engine weights: which layers run in FP8 depends on the engine layout; pass it")
+        quantization_config = fp8_quantization_config(HFModel.from_dir(hf_dir), layout)
     return model_files.engine_model_dir(hf_dir, out_dir, stop_token_ids, plain_rope_as_yarn=device == "cpu",
-                                        quantization_config=QUANTIZATION_CONFIG if weight_dtype == "fp8" else None,
-                                        weights=weights)
+                                        quantization_config=quantization_config, weights=weights)
 
 
 @dataclass

@@ -38,9 +38,9 @@ SLEEP_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}  # ours -> vLLM's wa
 
 
 def engine_model_dir(hf_dir: str, out_dir: str, stop_token_ids: list[int], device: str,
-                     weight_dtype: str = "bf16", weights: bool = True) -> str:
+                     weight_dtype: str = "bf16", weights: bool = True, layout: EngineLayout | None = None) -> str:
     """`hf_dir` as vLLM should read it (`model_files.engine_model_dir`; vLLM's rope needs no rewrite).
-    FP8 engine weights are SGLang's only (the config refuses them here)."""
+    FP8 engine weights are SGLang's only (the config refuses them here), so `layout` changes nothing."""
     if weight_dtype != "bf16":
         raise ValueError(f"weight_dtype={weight_dtype!r}: the sync quantizes into SGLang's layout only")
     return model_files.engine_model_dir(hf_dir, out_dir, stop_token_ids, weights=weights)

@@ -16,9 +16,11 @@ fills (SGLang fuses q_a/kv_a, q/k/v, gate/up, and stacks routed experts into w13
 | `moe_row` / `moe_col` | as row/col over moe_tp = tp/ep, for experts in r's EP block          |
 
 `fp8` marks the weights an FP8 engine (`rollout.weight_dtype: fp8`, DeepSeek-V3's checkpoint
-format) holds as e4m3: the linear layers of attention and of the dense, shared and routed MLPs;
-not norms, the router, embeddings or lm_head. Each has a `weight_scale_inv` rule beside it
-(`SCALE_RULES`, derived): the same split and fusion, counted in 128 x 128 blocks.
+format) can hold as e4m3: the linear layers of attention and of the dense, shared and routed MLPs;
+not norms, the router, embeddings or lm_head. It holds them so where their shard sits on whole
+128 x 128 blocks at the engine's layout (`runs_in_fp8`), the rest in the model's dtype, listed in
+its config's `ignored_layers` (Moonlight's shared experts at TP 4: 704 rows a rank). Each has a
+`weight_scale_inv` rule beside it (`SCALE_RULES`, derived): the same split and fusion, in blocks.
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ class Place:
 
 
 QKV_PARTS = ("q_proj", "k_proj", "v_proj")
+EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
 WEIGHT_RULES = (
     Place("embed_tokens.weight", "vocab"),
     Place("lm_head.weight", "vocab"),
@@ -224,9 +227,75 @@ def _rule_of(generic: str, mla: bool, q_lora: bool) -> Place:
     return next(r for r in SGLANG_RULES if r.applies(generic, mla, q_lora))
 
 
-def runs_in_fp8(name: str, hf) -> bool:
-    """Whether an FP8 engine holds HF weight `name` as e4m3 with a weight_scale_inv."""
-    return _rule(name, hf).fp8
+def runs_in_fp8(name: str, hf, layout: EngineLayout) -> bool:
+    """Whether an FP8 engine of `layout` holds HF weight `name` as e4m3 with a weight_scale_inv: a
+    linear weight (`Place.fp8`) that sits on whole blocks there (`fp8_misfit`). The others it holds
+    in the model's dtype, as an FP8 checkpoint's `ignored_layers` say (`fp8_ignored_layers`)."""
+    return _rule(name, hf).fp8 and fp8_misfit(name, hf, layout) is None
+
+
+def fp8_misfit(name: str, hf, layout: EngineLayout) -> str | None:
+    """Why linear HF weight `name` cannot be block FP8 in an engine of `layout`, or None. SGLang's
+    Fp8LinearMethod and Fp8MoEMethod refuse at start a shard that is not whole 128-row blocks (a
+    split or fused part) or 128-column blocks (a column split); a fused part that ends mid-block
+    (q_a_proj of a q_lora_rank not a multiple of 128) would pair its last rows with the next part's
+    scale. SGLang holds a module in one precision, so its weights share the answer: the parts of a
+    fused parameter, and a layer's routed experts (one FusedMoE of w13 and w2)."""
+    rule = engine_param(name, hf)[1]
+    leaf = rule.suffix.split(".")[-2]
+    for part in EXPERT_LINEARS if rule.split.startswith("moe_") else rule.parts or (leaf,):
+        why = _block_misfit(name.removesuffix(f"{leaf}.weight") + f"{part}.weight", hf, layout)
+        if why:
+            return why
+    return None
+
+
+def _block_misfit(name: str, hf, layout: EngineLayout) -> str | None:
+    rule = engine_param(name, hf)[1]
+    rows, cols = hf_shape(hf, name)
+    moe = rule.split.startswith("moe_")
+    parts = layout.moe_tp if moe else layout.tp_size
+    if rule.split in ("row", "moe_row") and parts > 1 or rule.parts and rule.part < len(rule.parts) - 1:
+        rows //= parts if rule.split in ("row", "moe_row") else 1
+        if rows % fp8.BLOCK[0]:
+            return f"{name} has {rows} rows per engine rank"
+    if rule.split in ("col", "moe_col") and parts > 1 and (cols // parts) % fp8.BLOCK[1]:
+        return f"{name} has {cols // parts} columns per engine rank"
+    return None
+
+
+def fp8_ignored_layers(hf, layout: EngineLayout) -> dict[str, str]:
+    """The linear modules an FP8 engine of `layout` keeps in the model's dtype (`fp8_misfit`), by
+    the module names of an FP8 checkpoint's `ignored_layers` (HF's: SGLang's Fp8Config matches them
+    as module prefixes and splits its fused gate_up_proj / fused_qkv_a_proj_with_mqa into them; a
+    layer's routed experts are its one `mlp.experts` module), each with why."""
+    from mcore_rl.models.mappings import mapping_for
+
+    out: dict[str, str] = {}
+    for p in mapping_for(hf).params(hf):
+        for h in p.hf:
+            module = h.split(".mlp.experts.")[0] + ".mlp.experts" if p.expert is not None else h.removesuffix(".weight")
+            if module not in out and _rule(h, hf).fp8 and (why := fp8_misfit(h, hf, layout)):
+                out[module] = why
+    return out
+
+
+def fp8_kept_line(hf, layout: EngineLayout) -> str:
+    """The run's log line saying which linear modules an FP8 engine of `layout` keeps in the model's dtype."""
+    kept = fp8_ignored_layers(hf, layout)
+    where = f"rollout.weight_dtype=fp8 at engine tp_size={layout.tp_size} ep_size={layout.ep_size}: "
+    if not kept:
+        return where + "every linear layer runs in FP8"
+    why = list(dict.fromkeys(kept.values()))  # a fused module's parts give one reason
+    return (where + f"{len(kept)} linear modules stay in the model's dtype, their slices per rank not whole "
+            f"128 x 128 blocks ({'; '.join(why[:2])}{'; ...' if len(why) > 2 else ''})")
+
+
+def fp8_quantization_config(hf, layout: EngineLayout) -> dict:
+    """The engine's config.json `quantization_config`: an FP8 DeepSeek-V3 checkpoint's, plus the
+    modules it holds in the model's dtype at `layout` (what the sync sends them as)."""
+    ignored = sorted(fp8_ignored_layers(hf, layout))
+    return {**fp8.QUANTIZATION_CONFIG, **({"ignored_layers": ignored} if ignored else {})}
 
 
 def engine_param(name: str, hf) -> tuple[str, Place]:

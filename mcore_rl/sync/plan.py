@@ -9,7 +9,8 @@ megatron layout and the SGLang engine layout, before any transfer. Rules it enfo
 - GPUs per node come from the placement (`EngineLayout.gpus_per_node`), never a default;
 - with FP8 engine weights (`weight_dtype="fp8"`) every weight the engine runs in FP8
   (`engine_layout.runs_in_fp8`) travels as e4m3 with its `weight_scale_inv` beside it, in the
-  same bucket (the engine needs both to use either).
+  same bucket (the engine needs both to use either); the linear weights it keeps in the model's
+  dtype at its layout (its config's ignored_layers) travel as they are, with no scale.
 """
 
 from __future__ import annotations
@@ -92,8 +93,6 @@ class SyncPlan:
             raise SyncPlanError(f"weight_dtype={weight_dtype!r}: use 'bf16' or 'fp8'")
         if weight_dtype == "fp8" and not hf.is_mla:
             raise SyncPlanError(f"FP8 engine weights are wired for DeepSeek-V3-style (MLA) models, not {hf.model_type}")
-        if weight_dtype == "fp8" and fp8_misfits(hf, engine):
-            raise SyncPlanError(fp8_misfits(hf, engine)[0])
         try:
             validate_layout(hf, trainer.tp, trainer.pp, trainer.ep, trainer.etp)
         except ValueError as e:
@@ -119,7 +118,7 @@ class SyncPlan:
         for p in params:
             for h in p.hf:
                 tensors[h] = Tensor(h, hf_shape(hf, h), torch.float32 if keeps_fp32(h, hf) else dtype, p)
-            if weight_dtype == "fp8" and runs_in_fp8(p.hf[0], hf):
+            if weight_dtype == "fp8" and runs_in_fp8(p.hf[0], hf, engine):
                 scales = tuple(fp8.scale_name(h) for h in p.hf)
                 for h, s in zip(p.hf, scales):
                     tensors[h] = Tensor(h, tensors[h].shape, fp8.E4M3, p)
@@ -210,37 +209,6 @@ class SyncPlan:
 def single_source(rank: int = 0) -> dict[int, int]:
     """The feed for NCCL broadcast / disk: one trainer rank sends every tensor; -1 = all engine ranks."""
     return {rank: -1}
-
-
-def fp8_misfits(hf: HFModel, engine: EngineLayout) -> list[str]:
-    """Problems (one line, naming a few weights) if some FP8 weight would not sit on whole blocks."""
-    from mcore_rl.sync.engine_layout import runs_in_fp8
-
-    # the first layer and the last: a dense and an MoE layer of a DeepSeek model (the others repeat their shapes)
-    bad = [f"{h} {why}" for p in mapping_for(hf).params(hf) if p.layer in (None, 0, hf.num_layers - 1)
-           for h in p.hf if runs_in_fp8(h, hf) and (why := _fp8_misfit(hf, engine, h))]
-    if not bad:
-        return []
-    return [f"FP8 engine weights need whole 128 x 128 blocks per engine rank (tp_size={engine.tp_size}, "
-            f"ep_size={engine.ep_size}) and per fused part, as SGLang's Fp8LinearMethod does: " + "; ".join(bad[:4])]
-
-
-def _fp8_misfit(hf: HFModel, engine: EngineLayout, name: str) -> str | None:
-    """Why HF weight `name`, as SGLang splits and fuses it, would not sit on whole 128-row/column
-    blocks (SGLang refuses split ones at start; a fused part that ends mid-block, e.g. q_lora_rank
-    not a multiple of 128, would pair its rows with the next part's scale), or None."""
-    from mcore_rl.sync.engine_layout import engine_param
-
-    rule = engine_param(name, hf)[1]
-    rows, cols = hf_shape(hf, name)
-    parts = engine.moe_tp if rule.split.startswith("moe_") else engine.tp_size
-    if rule.split in ("row", "moe_row") and parts > 1 or rule.parts and rule.part < len(rule.parts) - 1:
-        rows //= parts if rule.split in ("row", "moe_row") else 1
-        if rows % fp8.BLOCK[0]:
-            return f"has {rows} rows per engine rank"
-    if rule.split in ("col", "moe_col") and parts > 1 and (cols // parts) % fp8.BLOCK[1]:
-        return f"has {cols // parts} columns per engine rank"
-    return None
 
 
 def _holds(p: Param, pp_rank: int, ep_rank: int, stages: list[range], hf: HFModel, trainer: Layout) -> bool:

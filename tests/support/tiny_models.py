@@ -82,6 +82,10 @@ FP8 = {
         FAMILIES["deepseek_v3"][1], num_hidden_layers=2, intermediate_size=256, moe_intermediate_size=256,
         q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)),
 }
+# ... but its shared experts: 3 x 128 rows, 192 a rank at TP=2, which an FP8 engine keeps in the
+# model's dtype; routed experts of 128 rows, whole on each rank of an EP=2 engine
+FP8["deepseek_v3_fp8_bf16_shared"] = ("DeepseekV3Config", dict(
+    FP8["deepseek_v3_fp8"][1], moe_intermediate_size=128, n_shared_experts=3))
 
 
 def make_hf_model(family: str, out_dir: str, seed: int = 0):
