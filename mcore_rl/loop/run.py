@@ -28,10 +28,8 @@ from mcore_rl.loop.step import StepClock, advantages, generate, log_probs, updat
 from mcore_rl.loop.step_batch import correction_line, kl_controller, stop_ids
 from mcore_rl.metrics.logger import MetricsLogger
 from mcore_rl.metrics.plot import plot_run
-from mcore_rl.models.config import HFModel
 from mcore_rl.preflight.inputs import check_inputs
 from mcore_rl.rollout.launch import Launching
-from mcore_rl.sync.engine_layout import fp8_kept_line
 from mcore_rl.checkpoint.steps import Checkpointer
 from mcore_rl.preflight.run_dir import RunLock
 
@@ -91,8 +89,6 @@ def _train_in(cfg: C.Config, run_dir: str, pg, plan, train_task, val_task, repla
                     sync = launching.weight_sync(group)
         if correction_line(cfg):
             print(correction_line(cfg), flush=True)
-        if launching is not None and cfg.rollout.weight_dtype == "fp8":  # SGLang's engines only
-            print(fp8_kept_line(HFModel.from_dir(hf_dir), launching.layout), flush=True)
         first = {}
         if sync is not None:  # the engine starts without the trainer's weights: give it them
             with start_console.phase("first weight sync"):

@@ -415,13 +415,12 @@ def make_plan(hf: HFModel, i: PlanInputs) -> Plan:
     # kept states: the grads are freed all the same (Colocation.offload), the rest stays
     residue = {} if i.offload_train_states else {**{k: rest[k] for k in states if k != "megatron grads"},
                                                   "trainer cache (kept states)": KEPT_STATES_SLACK}
-    always = {"reserved (contexts, NCCL)": i.reserved}
+    always, pinned = _always(i), _pinned(hf, i)
     buckets = {"sync buckets": SYNC_BUCKETS * i.sync_bucket}
     # offloaded states leave in two parts: the weights after the sync, which reads them on the GPU
     synced_from = {} if residue else {"megatron weights": rest["megatron weights"]}
     w_engine, graphs = engine_weight_bytes(hf, i), cuda_graph_bytes(hf, i)
     act_engine = engine_activation_bytes(hf, i)
-    pinned = {"engine cuda graphs": graphs} if i.hook_mode == "torch" else {}
 
     P = i.capacity - sum(always.values()) - sum(residue.values()) - sum(pinned.values())
     if i.mem_fraction_static is None:
@@ -458,8 +457,17 @@ def train_phase(hf: HFModel, i: PlanInputs, stages: list[dict[str, int]] | None 
     stage's trainer_bytes, where the caller has them)."""
     stages = stages or [trainer_bytes(hf, i, s) for s in range(i.pp)]
     worst = max(range(i.pp), key=lambda s: sum(stages[s].values()))
-    pinned = {"engine cuda graphs": cuda_graph_bytes(hf, i)} if i.hook_mode == "torch" else {}
-    return {"reserved (contexts, NCCL)": i.reserved, **pinned, **stages[worst]}, worst
+    return {**_always(i), **_pinned(hf, i), **stages[worst]}, worst
+
+
+def _always(i: PlanInputs) -> dict[str, int]:
+    """What every phase holds on each GPU."""
+    return {"reserved (contexts, NCCL)": i.reserved}
+
+
+def _pinned(hf: HFModel, i: PlanInputs) -> dict[str, int]:
+    """The engine's CUDA graphs, where the memory saver cannot release them (hook mode "torch")."""
+    return {"engine cuda graphs": cuda_graph_bytes(hf, i)} if i.hook_mode == "torch" else {}
 
 
 def _why(plan: Plan, phase: str) -> str:

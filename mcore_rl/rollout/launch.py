@@ -27,7 +27,8 @@ from mcore_rl.rollout.engine_kwargs import warn_overridden
 from mcore_rl.rollout.group import EngineGroup, EngineSlot
 from mcore_rl.rollout.placement import plan_placement
 from mcore_rl.rollout.weights import WeightSync
-from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
+from mcore_rl.models.config import HFModel
+from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError, fp8_kept_line
 from mcore_rl.sync.plan import single_source
 
 TRAINER_GPU_SHARE, ENGINE_GPU_SHARE = 0.8, 0.2  # colocated: both on every GPU bundle
@@ -70,6 +71,8 @@ class Launching:
         self.model_dir = server.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids,
                                                  cfg.cluster.device, cfg.rollout.weight_dtype, weights=False,
                                                  layout=self.layout)
+        if cfg.rollout.weight_dtype == "fp8":  # which layers its config keeps in the model's dtype
+            print(fp8_kept_line(HFModel.from_dir(hf_dir), self.layout), flush=True)
         t0 = time.perf_counter()
         if placement.colocate:
             self.bundles = bundle_devices(pg, len(placement.trainer_gpus), cfg.cluster.device,
