@@ -16,6 +16,8 @@ from mcore_rl.loop.placement_deadline import reserve
 from mcore_rl.parallel.groups import rendezvous_on
 from mcore_rl.rollout.launch import TRAINER_GPU_SHARE
 
+SETTLE_S = 30.0  # after a rank's failure, how long the others get to finish before the error is raised
+
 
 def trainer_placement(cfg: C.Config):
     """The trainer ranks' placement group (one GPU, or one CPU process, per rank), within
@@ -105,6 +107,13 @@ class ActorGroup:
             from mcore_rl.actor.deaths import trainer_died  # lazy: mcore_rl.actor imports the models
 
             raise trainer_died(e, method, self.actors, self.pids) from e
+        except self.ray.exceptions.RayTaskError:
+            # ray.get raises at the first rank's error while the others may still run the method: let
+            # them stop first (bounded: one may wait in a collective for the failed rank), so that what
+            # the caller does about it sees them done (a failed save's directory, removed while another
+            # rank still wrote into it, stayed behind: step_6.tmp in a fresh-clone CI run)
+            self.ray.wait(refs, num_returns=len(refs), timeout=SETTLE_S)
+            raise
         return [o for o in out if o is not None]
 
     def share(self, batch: dict) -> SharedBatch:
