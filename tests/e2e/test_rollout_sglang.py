@@ -9,6 +9,8 @@ within the deadline, and no engine process outlives shutdown).
 
 from __future__ import annotations
 
+import pytest
+
 from mcore_rl.parallel.groups import LISTEN_PORTS
 from mcore_rl.rollout.launch import start_sglang
 from mcore_rl.rollout.sglang import engine_model_dir
@@ -84,6 +86,7 @@ def test_engine_kwargs_reach_the_engine(tp2, ds_two):
     assert all(h["alive"] for h in ds_two.health())
 
 
+@pytest.mark.alone  # timing: the call's bound, twice the deadline
 def test_hung_and_killed_engines_are_clear_errors(ray_cluster, tp2):  # noqa: F811 - fixtures
     """On the TP=2 engine (both ranks' schedulers hung, then killed); last: it ends that engine."""
     procs = R.engine_processes(tp2)

@@ -161,6 +161,7 @@ def test_engine_kwargs_reach_the_engine(tp2):
     assert len(R.PROMPTS[0]) == 4 and len(out.token_ids) == 252 and out.finish_reason == "length"
 
 
+@pytest.mark.alone  # timing: the call's bound, twice the deadline
 def test_hung_and_killed_engines_are_clear_errors(ray_cluster, tp2):  # noqa: F811 - fixtures
     """vLLM's processes stopped: the deadline; killed mid-rollout: vLLM itself would block for ever
     (0.32), the watchdog makes it an error at once. On the TP=2 engine; it ends that engine."""

@@ -93,6 +93,7 @@ def _pipelined(rank, world):
     dist.barrier()
 
 
+@pytest.mark.alone  # timing: a 0.3 s load overlapped
 def test_ipc_transport_gathers_the_next_bucket_while_the_engine_loads():
     distributed.run(_pipelined, 2, 2)
 
