@@ -482,8 +482,10 @@ class ExpectedDigests:
 def compare_engine(expected: dict[int, dict], actual: dict[int, dict], where: str) -> list[str]:
     """Problems (as lines) between expected digests and an engine's `weight_digests()` per tp rank:
     a parameter the sync filled that differs or is missing, or one the engine has that no synced
-    tensor reached (SGLang ignores names it does not know: such a parameter would stay stale)."""
-    problems = []
+    tensor reached (SGLang ignores names it does not know: such a parameter would stay stale), and a rank
+    that reported digests but was expected nothing (a read-back must not pass by checking no rank)."""
+    problems = [f"{where} tp rank {r}: its digests were read but no synced tensor was expected there (not verified)"
+                for r in sorted(set(actual) - set(expected))]
     for r, want in expected.items():
         have = actual.get(r)
         if have is None:
