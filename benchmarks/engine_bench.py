@@ -66,6 +66,9 @@ the same tokens (issue 45, item 5: the loop's log-prob gap at 27 layers).
    MoE layers the share of tokens both sent to the same top-k experts; at the end the log-prob gap of
    every token after the first (mean and max |engine - trainer|, the loop's rollout/logp_diff_abs_mean).
    With --replay the trainer's routers take the engine's experts (R3, actor.routing_replay).
+   --megatron-elementwise: once more (with R3 where --replay is given) with RoPE and SwiGLU as megatron-core
+   computes them without TE, each step rounded to bf16 (mcore_rl computes both in fp32 and rounds once, as
+   the engine's kernels do): an A/B of that change against the same engine capture.
 Prints the table and the layers where the relative gap grows most and where routing first differs;
 writes JSON. At the tiny size on CPU (configs/tiny_cpu.yaml, fp32) it runs in a few minutes.
 """
@@ -74,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -615,6 +619,26 @@ def trainer_side(hf, model, tokens: list[int], device, routes=None) -> dict:
     return {"hidden": torch.stack(kept), "logprobs": logprobs, "routes": taken}
 
 
+@contextlib.contextmanager
+def megatron_elementwise(model):
+    """Within: `model`'s RoPE and SwiGLU as megatron-core computes them without TE, in bf16 (the rope_fp32
+    patch undone; every MLP back on megatron's own GLU, which it applies where use_te_activation_func is off)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rope = rope_utils._apply_rotary_pos_emb_bshd
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    saved = [(c, c.use_te_activation_func) for c in configs.values()]
+    rope_utils._apply_rotary_pos_emb_bshd = getattr(rope, "__wrapped__", rope)
+    for c, _ in saved:
+        c.use_te_activation_func = False
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = rope
+        for c, v in saved:
+            c.use_te_activation_func = v
+
+
 def compare(trainer: dict, engine: dict) -> tuple[list[dict], dict]:
     rows = []
     for i, (t, e) in enumerate(zip(trainer["hidden"], engine["hidden"])):
@@ -644,6 +668,8 @@ def hidden_gap_main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=256, help="length of the random token sequence")
     ap.add_argument("--replay", action="store_true", help="also the trainer with the engine's experts (R3)")
+    ap.add_argument("--megatron-elementwise", action="store_true",
+                    help="also the trainer with megatron's bf16 RoPE and SwiGLU (an A/B of mcore_rl's fp32 ones)")
     ap.add_argument("--checkpoint", help="a run's checkpoint (checkpoints/step_N): the trainer loads its model, and the "
                                          "engine loads the export that `python -m mcore_rl.convert mcore-to-hf` makes of it")
     ap.add_argument("--engine-side", nargs=3, metavar=("MODEL_DIR", "TOKENS_JSON", "OUT"), help=argparse.SUPPRESS)
@@ -678,8 +704,13 @@ def hidden_gap_main(argv: list[str]) -> int:
                     os.path.join(work, "tokens.json"), engine_out, *a.overrides], check=True, env=env, cwd=REPO)
     engine = torch.load(engine_out, weights_only=True)
     runs = {"live": trainer_side(hf, model, tokens, device)}
-    if a.replay and engine["routes"] is not None:
-        runs["replay"] = trainer_side(hf, model, tokens, device, routes=engine["routes"])
+    routes = engine["routes"] if a.replay else None
+    if routes is not None:
+        runs["replay"] = trainer_side(hf, model, tokens, device, routes=routes)
+    if a.megatron_elementwise:
+        with megatron_elementwise(model):
+            runs[("replay" if routes is not None else "live") + "_megatron_elementwise"] = trainer_side(
+                hf, model, tokens, device, routes=routes)
     result = {"config": a.config, "overrides": a.overrides, "tokens": n, "layers": hf.num_layers,
               "engine": f"SGLang {engine['version']} TP={cfg.rollout.tp_size} EP={cfg.rollout.ep_size}",
               "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": cfg.model.dtype,
