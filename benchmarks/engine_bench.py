@@ -66,14 +66,26 @@ the same tokens (issue 45, item 5: the loop's log-prob gap at 27 layers).
    MoE layers the share of tokens both sent to the same top-k experts; at the end the log-prob gap of
    every token after the first (mean and max |engine - trainer|, the loop's rollout/logp_diff_abs_mean).
    With --replay the trainer's routers take the engine's experts (R3, actor.routing_replay).
+   --megatron-elementwise: once more (with R3 where --replay is given) with RoPE and SwiGLU as megatron-core
+   computes them without TE, each step rounded to bf16 (mcore_rl computes both in fp32 and rounds once, as
+   the engine's kernels do): an A/B of that change against the same engine capture.
 Prints the table and the layers where the relative gap grows most and where routing first differs;
 writes JSON. At the tiny size on CPU (configs/tiny_cpu.yaml, fp32) it runs in a few minutes.
+
+`precision`: how far from exact is each side's bf16 forward? (issue 45, item 5) The trainer's model as hidden-gap
+builds it and its HF export, against transformers' model of that export in fp64 (eager attention and experts): per
+decoder layer the attention's, the MLP's and the residual stream's output as ||x - ref|| / ||ref||, and the mean
+|log-prob difference|, for transformers in fp32 and in the config's dtype (its own routing), the trainer (the
+reference's experts, R3-style) and the trainer with megatron's bf16 RoPE/SwiGLU. A few layers at real widths on CPU:
+
+    python benchmarks/engine_bench.py precision --config CONFIG --out precision.json [--tokens 256] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -615,6 +627,26 @@ def trainer_side(hf, model, tokens: list[int], device, routes=None) -> dict:
     return {"hidden": torch.stack(kept), "logprobs": logprobs, "routes": taken}
 
 
+@contextlib.contextmanager
+def megatron_elementwise(model):
+    """Within: `model`'s RoPE and SwiGLU as megatron-core computes them without TE, in bf16 (the rope_fp32
+    patch undone; every MLP back on megatron's own GLU, which it applies where use_te_activation_func is off)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rope = rope_utils._apply_rotary_pos_emb_bshd
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    saved = [(c, c.use_te_activation_func) for c in configs.values()]
+    rope_utils._apply_rotary_pos_emb_bshd = getattr(rope, "__wrapped__", rope)
+    for c, _ in saved:
+        c.use_te_activation_func = False
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = rope
+        for c, v in saved:
+            c.use_te_activation_func = v
+
+
 def compare(trainer: dict, engine: dict) -> tuple[list[dict], dict]:
     rows = []
     for i, (t, e) in enumerate(zip(trainer["hidden"], engine["hidden"])):
@@ -644,6 +676,8 @@ def hidden_gap_main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=256, help="length of the random token sequence")
     ap.add_argument("--replay", action="store_true", help="also the trainer with the engine's experts (R3)")
+    ap.add_argument("--megatron-elementwise", action="store_true",
+                    help="also the trainer with megatron's bf16 RoPE and SwiGLU (an A/B of mcore_rl's fp32 ones)")
     ap.add_argument("--checkpoint", help="a run's checkpoint (checkpoints/step_N): the trainer loads its model, and the "
                                          "engine loads the export that `python -m mcore_rl.convert mcore-to-hf` makes of it")
     ap.add_argument("--engine-side", nargs=3, metavar=("MODEL_DIR", "TOKENS_JSON", "OUT"), help=argparse.SUPPRESS)
@@ -678,8 +712,13 @@ def hidden_gap_main(argv: list[str]) -> int:
                     os.path.join(work, "tokens.json"), engine_out, *a.overrides], check=True, env=env, cwd=REPO)
     engine = torch.load(engine_out, weights_only=True)
     runs = {"live": trainer_side(hf, model, tokens, device)}
-    if a.replay and engine["routes"] is not None:
-        runs["replay"] = trainer_side(hf, model, tokens, device, routes=engine["routes"])
+    routes = engine["routes"] if a.replay else None
+    if routes is not None:
+        runs["replay"] = trainer_side(hf, model, tokens, device, routes=routes)
+    if a.megatron_elementwise:
+        with megatron_elementwise(model):
+            runs[("replay" if routes is not None else "live") + "_megatron_elementwise"] = trainer_side(
+                hf, model, tokens, device, routes=routes)
     result = {"config": a.config, "overrides": a.overrides, "tokens": n, "layers": hf.num_layers,
               "engine": f"SGLang {engine['version']} TP={cfg.rollout.tp_size} EP={cfg.rollout.ep_size}",
               "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": cfg.model.dtype,
@@ -696,7 +735,92 @@ def hidden_gap_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"speed": speed_main, "logprob-gap": logprob_gap_main, "hidden-gap": hidden_gap_main}
+# ----------------------------------------------------------------------------- against fp64 (`precision`)
+def _keep_outputs(kept: dict, named_modules, seq_first: bool) -> list:
+    """Forward hooks keeping each module's (first) output as fp64 [tokens, hidden] under its name."""
+    def hook(name):
+        def keep(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            kept[name] = (out[:, 0] if seq_first else out[0]).detach().double().cpu()
+        return keep
+    return [m.register_forward_hook(hook(name)) for name, m in named_modules]
+
+
+def transformers_points(model_dir: str, dtype, tokens: list[int]) -> tuple[dict, torch.Tensor]:
+    """transformers' model of `model_dir` in `dtype` (eager attention and experts): each layer's attention, MLP and
+    residual stream outputs and each token's log-prob, and the experts its routers chose [tokens, layers, top-k]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                              experts_implementation="eager").eval()
+    layers, kept, routes = model.model.layers, {}, {}
+    named = [(f"{k}{i}", getattr(layer, attr)) for i, layer in enumerate(layers)
+             for k, attr in (("attn", "self_attn"), ("mlp", "mlp"))] + [(f"out{i}", l) for i, l in enumerate(layers)]
+    hooks = _keep_outputs(kept, named, seq_first=False)
+    for i, layer in enumerate(layers):
+        if hasattr(layer.mlp, "gate"):  # DeepSeek's router returns (logits, weights, indices)
+            hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, o, i=i: routes.__setitem__(i, o[2])))
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    for h in hooks:
+        h.remove()
+    kept["logprobs"] = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    k = model.config.num_experts_per_tok
+    taken = torch.zeros(len(tokens), len(layers), k, dtype=torch.long)
+    for i, r in routes.items():
+        taken[:, i] = r.reshape(len(tokens), k)
+    return kept, taken
+
+
+def trainer_points(hf, model, tokens: list[int], device, routes) -> dict:
+    """The same points of the trainer's model, its routers taking `routes` (the reference's experts)."""
+    kept = {}
+    layers = model.decoder.layers
+    hooks = _keep_outputs(kept, [(f"{k}{i}", getattr(layer, attr)) for i, layer in enumerate(layers)
+                                 for k, attr in (("attn", "self_attention"), ("mlp", "mlp"))], seq_first=True)
+    got = trainer_side(hf, model, tokens, device, routes=routes)
+    for h in hooks:
+        h.remove()
+    kept.update({f"out{i}": h.double() for i, h in enumerate(got["hidden"])}, logprobs=got["logprobs"])
+    return kept
+
+
+def precision_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="engine_bench.py precision", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=256, help="length of the random token sequence")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    from mcore_rl.config import sections as C
+
+    cfg = C.load_config(a.config, a.overrides)
+    gpu = cfg.cluster.device == "gpu"
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    hf, model = trainer_model(cfg, gpu)
+    model_dir = export(cfg, model, tempfile.mkdtemp(prefix="precision_"))
+    tokens = torch.randint(0, hf.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref, routes = transformers_points(model_dir, torch.float64, tokens)
+    runs = {"transformers fp32": transformers_points(model_dir, torch.float32, tokens)[0],
+            f"transformers {cfg.model.dtype}": transformers_points(model_dir, DTYPES[cfg.model.dtype], tokens)[0],
+            f"trainer {cfg.model.dtype}": trainer_points(hf, model, tokens, device, routes)}
+    with megatron_elementwise(model):
+        runs[f"trainer {cfg.model.dtype}, megatron's RoPE/SwiGLU"] = trainer_points(hf, model, tokens, device, routes)
+    points = [k for k in ref if k != "logprobs"]
+    rel = {name: {k: ((r[k] - ref[k]).norm() / ref[k].norm()).item() for k in points} for name, r in runs.items()}
+    logp = {name: (r["logprobs"] - ref["logprobs"]).abs().mean().item() for name, r in runs.items()}
+    print(table(["point", *runs], [[k, *(rel[n][k] for n in runs)] for k in points]
+                + [["log-prob |diff|", *(logp[n] for n in runs)]], digits=5))
+    write_json({"config": a.config, "overrides": a.overrides, "tokens": a.tokens, "layers": hf.num_layers,
+                "dtype": cfg.model.dtype, "reference": "transformers fp64 on the same weights",
+                "relative_error": rel, "logp_abs_diff_mean": logp}, a.out)
+    return 0
+
+
+COMMANDS = {"speed": speed_main, "logprob-gap": logprob_gap_main, "hidden-gap": hidden_gap_main,
+            "precision": precision_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -214,9 +214,12 @@ for line in sys.stdin:
         --out "$OUT/first_sync_state${TAG:-}.json" rollout.tp_size="${FS_TP:-2}" model.hf_config.num_hidden_layers="${LAYERS:-4}" \
         memory.offload_train_states=auto "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/first_sync_state${TAG:-}.log" | tail -20 ;;
     hidden_gap)  # issue 45 item 5: engine against trainer, layer by layer, on the same weights and tokens, 27 Moonlight
-      # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU); live routing and R3
+      # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU, or beside it on one GPU);
+      # live routing, R3, and R3 with megatron's bf16 RoPE/SwiGLU (the A/B of the fp32 ones). On one GPU (no disk for a
+      # second copy): EXTRA_OVERRIDES="model.hf_config=null model.hf_path=/tmp/moonlight27_hf" after random_hf27
       timeout "${LIMIT:-590}" python3 benchmarks/engine_bench.py hidden-gap --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
-        --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay rollout.tp_size=1 rollout.ep_size=1 \
+        --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay --megatron-elementwise \
+        rollout.tp_size=1 rollout.ep_size=1 \
         "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/hidden_gap${TAG:-}.log" | tail -75 ;;
     export27)  # issue 45 item 7: the model a `KEEP=1 full27` run trained, exported by the converter's command line, loaded by
       # SGLang as its model (TP 1, the last GPU), its log-probs against the trainer's (that checkpoint, GPU 0), live and R3
