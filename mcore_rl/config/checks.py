@@ -291,12 +291,9 @@ def _check_dp_attention(cfg: Config, errors: list[str], hf: dict | None) -> None
         errors.append(f"rollout.dp_attention is SGLang's (enable_dp_attention); rollout.engine is {r.engine}")
     if r.tp_size == 1:
         errors.append("rollout.dp_attention needs rollout.tp_size > 1: it splits an engine's requests over its TP ranks")
-    if hf is not None and "kv_lora_rank" not in hf:
+    if hf is not None and hf.get("model_type") not in ("deepseek_v3", "deepseek_v2"):  # HFModel.is_mla
         errors.append(f"rollout.dp_attention is wired for MLA models (DeepSeek-V3 family), not {hf.get('model_type')}: "
                       "SGLang's layout under it is checked for DeepseekV2 only")
-    if cfg.cluster.device == "cpu" and r.ep_size > 1 and r.engine == "sglang":
-        errors.append(f"rollout.dp_attention with rollout.ep_size = {r.ep_size} on CPU: SGLang's CPU experts "
-                      "(moe_forward_native) take no expert parallelism; use ep_size 1 there")
 
 
 def _check_moe_config_dir(cfg: Config, errors: list[str]) -> None:

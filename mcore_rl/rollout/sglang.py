@@ -132,20 +132,22 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_ini
         args["moe_runner_backend"] = "deep_gemm"
     if config_checks.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
+    dp = layout.attn_dp_size
+    args.update(dp_attention_args(dp))
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
         # sleep_on_idle: an idle scheduler otherwise polls for requests in a busy loop, a core per engine
         # taken from the trainer's ranks (colocated, they update while the engines wait) and other engines
         args.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
                     disable_cuda_graph=True, max_total_tokens=r.cpu_kv_tokens, sleep_on_idle=True)
-        if r.max_running_requests:  # unset, the CPU engine takes any batch
-            args["max_running_requests"] = r.max_running_requests
+        if r.max_running_requests:  # unset, the CPU engine takes any batch; per rank under DP attention
+            args["max_running_requests"] = r.max_running_requests * dp
     else:
         # disable_shared_experts_fusion: on GPUs SGLang may fold a shared expert into the routed ones
         # (GLM-4.5, DeepSeek-V3 at EP 1); the sync's read-back table (sync/engine_layout.py) knows
         # shared experts as their own parameters, as the CPU engine and EP > 1 always keep them
         args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
                     cuda_graph_max_bs=r.cuda_graph_max_bs, disable_shared_experts_fusion=True,
-                    max_running_requests=config_checks.max_running_requests(cfg))
+                    max_running_requests=config_checks.max_running_requests(cfg) * dp)  # SGLang's: the engine's
         if r.seeded:  # its flashinfer sampler takes no seeds (mcore_rl.rollout.sglang_plugin)
             args["sampling_backend"] = "pytorch"
         if r.attention_backend:
@@ -153,6 +155,14 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_ini
         if kv_tokens:
             args["max_total_tokens"] = kv_tokens
     return args
+
+
+def dp_attention_args(dp: int) -> dict:
+    """SGLang's arguments for DP attention over `dp` ranks (none for 1): attention, embeddings, lm_head
+    (enable_dp_lm_head) and the dense MLP (moe_dense_tp_size=1) whole per rank when dp = tp_size, the
+    layout the sync places weights by (mcore_rl.sync.engine_layout's groups). SGLang's DP controller
+    deals an engine's requests out to its ranks round robin (load_balance_method auto, 0.5.17-0.5.20)."""
+    return dict(enable_dp_attention=True, dp_size=dp, enable_dp_lm_head=True, moe_dense_tp_size=1) if dp > 1 else {}
 
 
 def engine_env(cfg, layout: EngineLayout) -> dict:
