@@ -43,14 +43,9 @@ def test_other_transports_verify_every_sync_of_a_grpo_run_that_learns(tmp_path, 
     check_verified_grpo_steps(str(tmp_path / "run"), *overrides, steps=30)
 
 
-# the module's engine: one TP2 engine with SGLang's DP attention and EP 2 (rollout.dp_attention; the layout
-# issue 46's 64 x 8K step runs at TP4/DP4/EP4), whose ranks hold attention whole and serve their own requests
-DP_ATTENTION = ("rollout.tp_size=2", "rollout.ep_size=2", "rollout.dp_attention=true")
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    with started_run(str(tmp_path_factory.mktemp("sync_run")), ("actor.routing_replay=true", *DP_ATTENTION)) as parts:
+    with started_run(str(tmp_path_factory.mktemp("sync_run")), ("actor.routing_replay=true",)) as parts:
         yield parts
 
 
