@@ -268,14 +268,23 @@ def engine_arguments(items) -> dict:
 
 def parse_kind(kind: str) -> tuple[str, dict]:
     """"bf16" | "fp8", then optionally ":KEY=VALUE[+KEY=VALUE...]" -> (bf16 or fp8, that engine's own
-    arguments), e.g. bf16:attention_backend=flashinfer or bf16:tp_size=4+ep_size=4."""
+    arguments), e.g. bf16:attention_backend=flashinfer or bf16:tp_size=4+ep_size=4. dp_attention=true
+    stands for the loop's DP attention over the engine's tp_size ranks (rollout.dp_attention,
+    `mcore_rl.rollout.sglang.dp_attention_args`)."""
+    from mcore_rl.rollout.sglang import dp_attention_args
+
     base, _, rest = kind.partition(":")
     if base not in ("bf16", "fp8"):
         raise ValueError(f"kind {kind!r}: bf16 or fp8, optionally with :KEY=VALUE[+KEY=VALUE]")
     try:
-        return base, engine_arguments(filter(None, rest.split("+")))
+        args = engine_arguments(filter(None, rest.split("+")))
     except ValueError as e:
         raise ValueError(f"kind {kind!r}: {e}") from None
+    if args.pop("dp_attention", False):
+        if args.get("tp_size", 1) < 2:
+            raise ValueError(f"kind {kind!r}: dp_attention needs tp_size > 1")
+        args.update(dp_attention_args(args["tp_size"]))
+    return base, args
 
 
 def routing_weights(hf_config: dict, seed: int = 0) -> list:
@@ -369,12 +378,15 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
         extra = {**(fp8_args or {}), **own} if base == "fp8" else own
         # at this engine's layout, as the loop's engines: layers not whole FP8 blocks per rank stay bf16
         quantization = fp8_quantization_config(HFModel.from_dict(hf_config), EngineLayout(
-            extra.get("tp_size", 1), extra.get("ep_size", 1))) if base == "fp8" else None
+            extra.get("tp_size", 1), extra.get("ep_size", 1), attn_dp_size=extra.get("dp_size", 1)
+            if extra.get("enable_dp_attention") else 1)) if base == "fp8" else None
         model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos, quantization_config=quantization)
         attention = extra.pop("attention_backend", backend)  # a kind's own backend replaces the config's
         t0 = time.perf_counter()
+        # under DP attention a rank decodes its share of the batch (SGLang divides max_running_requests)
+        per_rank = -(-batch // extra.get("dp_size", 1)) if extra.get("enable_dp_attention") else batch
         eng = engine(model_dir, attention, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
-                     cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
+                     **{"cuda_graph_max_bs": per_rank, "max_running_requests": batch, **extra})
         start_s = time.perf_counter() - t0
         try:
             if spread:
@@ -423,7 +435,8 @@ def speed_main(argv: list[str]) -> int:
                     "(rollout.moe_config_dir); default: the ones it ships")
     ap.add_argument("--kinds", default="bf16,fp8", help=(
         "which engines, in order: bf16, fp8, or either with :KEY=VALUE[+KEY=VALUE] (an engine with those "
-        "arguments: bf16:attention_backend=flashinfer, bf16:tp_size=4+ep_size=4)"))
+        "arguments: bf16:attention_backend=flashinfer, bf16:tp_size=4+ep_size=4; dp_attention=true: the loop's "
+        "DP attention over tp_size ranks, bf16:tp_size=4+ep_size=4+dp_attention=true)"))
     ap.add_argument("--fp8-engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an SGLang engine argument of every FP8 engine, e.g. moe_runner_backend=triton "
                     "(repeatable; values parsed as YAML)")
@@ -558,6 +571,7 @@ def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[
     """In a process of its own (SGLang kills the process that made an engine when it fails): one engine,
     each layer's output in the prefill of `tokens`, the log-prob of each token, the routed experts."""
     from mcore_rl.config import sections as C
+    from mcore_rl.config.checks import attention_dp
     from mcore_rl.rollout import jit_cache
     from mcore_rl.rollout import sglang as S
     from mcore_rl.sync.engine_layout import EngineLayout
@@ -565,7 +579,7 @@ def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[
     cfg = C.load_config(config, overrides)
     gpu = cfg.cluster.device == "gpu"
     tp, ep = cfg.rollout.tp_size, cfg.rollout.ep_size
-    layout = EngineLayout(tp, ep, 1, tp)
+    layout = EngineLayout(tp, ep, 1, tp, attention_dp(cfg))
     args = S.engine_args(cfg, model_dir, layout, 0, None, 0.6 if gpu else cfg.rollout.mem_fraction_static)
     args.update(enable_memory_saver=False)  # alone on its GPUs: nothing to release for
     args.pop("max_running_requests", None)

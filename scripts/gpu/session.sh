@@ -140,7 +140,7 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
       cp /tmp/run50/metrics.jsonl "$OUT/run50_metrics.jsonl"; ls /tmp/run50/checkpoints ;;
     full27)  # issue 45: the whole Moonlight (27 layers) on 4 GPUs (nvidia-h200-x4; CONFIG=configs/moonlight_4gpu_h100.yaml
       # on nvidia-h100-x4), one engine layout a call: LAYOUT=tp1 (4 x TP1), tp4 (1 x TP4), tp4ep4 (1 x TP4, EP 4 inside
-      # the engine) or tp4x2nodes (1 x TP4 over two raylets of 2 GPUs on this host, the engine's nnodes=2; each
+      # the engine), tp4dp4ep4 (1 x TP4 with DP attention: each GPU its own requests, whole attention; EP 4) or tp4x2nodes (1 x TP4 over two raylets of 2 GPUs on this host, the engine's nnodes=2; each
       # "node" plans half the host's RAM: HOST_GB where MemTotal starts small); R3=1 with actor.routing_replay=true. JSON (phase seconds, start, memory
       # against the plan, first sync read-back, log-prob gap), console log and engine logs under $OUT/full27_*
       FULL=(rollout.tp_size=1); RUN=()
@@ -148,10 +148,11 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         tp1) ;;
         tp4) FULL=(rollout.tp_size=4) ;;
         tp4ep4) FULL=(rollout.tp_size=4 rollout.ep_size=4) ;;
+        tp4dp4ep4) FULL=(rollout.tp_size=4 rollout.ep_size=4 rollout.dp_attention=true) ;;
         tp4x2nodes) FULL=(cluster.nnodes=2 cluster.n_gpus_per_node=2 rollout.tp_size=4
                           cluster.host_memory_gb=$(( ${HOST_GB:-$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)} / 2 )))
                     RUN=(python3 scripts/gpu/raylets.py --nodes 2 --gpus-per-node 2 --) ;;
-        *) echo "full27: unknown LAYOUT=$LAYOUT (tp1, tp4, tp4ep4, tp4x2nodes)"; exit 2 ;;
+        *) echo "full27: unknown LAYOUT=$LAYOUT (tp1, tp4, tp4ep4, tp4dp4ep4, tp4x2nodes)"; exit 2 ;;
       esac
       name=full27_${LAYOUT:-tp1}${R3:+_r3}${TAG:-}
       keep_run
