@@ -211,9 +211,17 @@ def check_hung_and_killed(ray, group, victims: list[psutil.Process], label: str,
         assert "did not finish" not in errors[0], f"a dead engine was only caught by the deadline: {errors}"
     finally:
         group.shutdown()
-    time.sleep(2)
-    left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    deadline = time.monotonic() + 2  # gone within 2 s of shutdown
+    while (left := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not left, f"engine processes outlived shutdown: {[p.pid for p in left]}"
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _expect_error(group) -> str:
