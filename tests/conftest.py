@@ -11,9 +11,9 @@ import pytest
 BUDGET_S = 120
 
 # Ray reads its settings from the environment when first imported, here and in every run and worker
-# the tests start: a GCS that answers after Ray's 5 s connect timeout (a busy machine, two stacks
-# starting side by side) is waited for, up to 60 s, instead of failing the run's start ("Failed to get
-# cluster ID from GCS server", seen at load 30 and more beside other suites)
+# the tests start: a GCS that answers after Ray's 5 s connect timeout (a busy machine) is waited for, up
+# to 60 s, instead of failing the run's start ("Failed to get cluster ID from GCS server", seen at load
+# 30 and more beside other suites)
 os.environ.setdefault("RAY_gcs_rpc_server_connect_timeout_s", "60")
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
 _seconds: dict[str, float] = defaultdict(float)
