@@ -376,15 +376,15 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
     for i, kind in enumerate(kinds):
         base, own = parse_kind(kind)
         extra = {**(fp8_args or {}), **own} if base == "fp8" else own
+        dp = extra.get("dp_size", 1) if extra.get("enable_dp_attention") else 1  # attention-DP ranks
         # at this engine's layout, as the loop's engines: layers not whole FP8 blocks per rank stay bf16
         quantization = fp8_quantization_config(HFModel.from_dict(hf_config), EngineLayout(
-            extra.get("tp_size", 1), extra.get("ep_size", 1), attn_dp_size=extra.get("dp_size", 1)
-            if extra.get("enable_dp_attention") else 1)) if base == "fp8" else None
+            extra.get("tp_size", 1), extra.get("ep_size", 1), attn_dp_size=dp)) if base == "fp8" else None
         model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos, quantization_config=quantization)
         attention = extra.pop("attention_backend", backend)  # a kind's own backend replaces the config's
         t0 = time.perf_counter()
         # under DP attention a rank decodes its share of the batch (SGLang divides max_running_requests)
-        per_rank = -(-batch // extra.get("dp_size", 1)) if extra.get("enable_dp_attention") else batch
+        per_rank = -(-batch // dp)
         eng = engine(model_dir, attention, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
                      **{"cuda_graph_max_bs": per_rank, "max_running_requests": batch, **extra})
         start_s = time.perf_counter() - t0

@@ -284,6 +284,8 @@ def _check_sglang(errors: list[str], hf: dict | None) -> None:
 
 def _check_dp_attention(cfg: Config, errors: list[str], hf: dict | None) -> None:
     """rollout.dp_attention: SGLang's, at tp > 1, for the MLA models whose layout under it the sync knows."""
+    from mcore_rl.models.config import HFModel
+
     r = cfg.rollout
     if not r.dp_attention:
         return
@@ -291,7 +293,7 @@ def _check_dp_attention(cfg: Config, errors: list[str], hf: dict | None) -> None
         errors.append(f"rollout.dp_attention is SGLang's (enable_dp_attention); rollout.engine is {r.engine}")
     if r.tp_size == 1:
         errors.append("rollout.dp_attention needs rollout.tp_size > 1: it splits an engine's requests over its TP ranks")
-    if hf is not None and hf.get("model_type") not in ("deepseek_v3", "deepseek_v2"):  # HFModel.is_mla
+    if hf is not None and not HFModel.from_dict(hf).is_mla:
         errors.append(f"rollout.dp_attention is wired for MLA models (DeepSeek-V3 family), not {hf.get('model_type')}: "
                       "SGLang's layout under it is checked for DeepseekV2 only")
     if cfg.actor.routing_replay:  # a CPU run's R3 steps reached a log-prob gap of 0.56 (the plain ones < 1e-4)

@@ -161,9 +161,8 @@ def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0, att
     from mcore_rl.sync.engine_layout import EngineLayout, keeps_fp32, runs_in_fp8
 
     layout = EngineLayout(tp, ep, attn_dp_size=attn_dp)
-    ep_rank = rank // (tp // ep)
-    per_ep = hf.num_experts // ep if hf.num_experts else 0
-    mine = range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
+    mine = layout.experts_of(rank, hf.num_experts or 0)  # the rank's contiguous block, as the sync places them
+    per_ep = len(mine)
     out: dict[str, EngineTensor] = {}
     rows: dict[str, list[int]] = {}
     for w in weights:
