@@ -66,14 +66,26 @@ the same tokens (issue 45, item 5: the loop's log-prob gap at 27 layers).
    MoE layers the share of tokens both sent to the same top-k experts; at the end the log-prob gap of
    every token after the first (mean and max |engine - trainer|, the loop's rollout/logp_diff_abs_mean).
    With --replay the trainer's routers take the engine's experts (R3, actor.routing_replay).
+   --megatron-elementwise: once more (with R3 where --replay is given) with RoPE and SwiGLU as megatron-core
+   computes them without TE, each step rounded to bf16 (mcore_rl computes both in fp32 and rounds once, as
+   the engine's kernels do): an A/B of that change against the same engine capture.
 Prints the table and the layers where the relative gap grows most and where routing first differs;
 writes JSON. At the tiny size on CPU (configs/tiny_cpu.yaml, fp32) it runs in a few minutes.
+
+`precision`: how far from exact is each side's bf16 forward? (issue 45, item 5) The trainer's model as hidden-gap
+builds it and its HF export, against transformers' model of that export in fp64 (eager attention and experts): per
+decoder layer the attention's, the MLP's and the residual stream's output as ||x - ref|| / ||ref||, and the mean
+|log-prob difference|, for transformers in fp32 and in the config's dtype (its own routing), the trainer (the
+reference's experts, R3-style) and the trainer with megatron's bf16 RoPE/SwiGLU. A few layers at real widths on CPU:
+
+    python benchmarks/engine_bench.py precision --config CONFIG --out precision.json [--tokens 256] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -256,14 +268,23 @@ def engine_arguments(items) -> dict:
 
 def parse_kind(kind: str) -> tuple[str, dict]:
     """"bf16" | "fp8", then optionally ":KEY=VALUE[+KEY=VALUE...]" -> (bf16 or fp8, that engine's own
-    arguments), e.g. bf16:attention_backend=flashinfer or bf16:tp_size=4+ep_size=4."""
+    arguments), e.g. bf16:attention_backend=flashinfer or bf16:tp_size=4+ep_size=4. dp_attention=true
+    stands for the loop's DP attention over the engine's tp_size ranks (rollout.dp_attention,
+    `mcore_rl.rollout.sglang.dp_attention_args`)."""
+    from mcore_rl.rollout.sglang import dp_attention_args
+
     base, _, rest = kind.partition(":")
     if base not in ("bf16", "fp8"):
         raise ValueError(f"kind {kind!r}: bf16 or fp8, optionally with :KEY=VALUE[+KEY=VALUE]")
     try:
-        return base, engine_arguments(filter(None, rest.split("+")))
+        args = engine_arguments(filter(None, rest.split("+")))
     except ValueError as e:
         raise ValueError(f"kind {kind!r}: {e}") from None
+    if args.pop("dp_attention", False):
+        if args.get("tp_size", 1) < 2:
+            raise ValueError(f"kind {kind!r}: dp_attention needs tp_size > 1")
+        args.update(dp_attention_args(args["tp_size"]))
+    return base, args
 
 
 def routing_weights(hf_config: dict, seed: int = 0) -> list:
@@ -355,14 +376,17 @@ def speed(hf_config: dict, work: str, backend: str, batch: int, prompt_len: int,
     for i, kind in enumerate(kinds):
         base, own = parse_kind(kind)
         extra = {**(fp8_args or {}), **own} if base == "fp8" else own
+        dp = extra.get("dp_size", 1) if extra.get("enable_dp_attention") else 1  # attention-DP ranks
         # at this engine's layout, as the loop's engines: layers not whole FP8 blocks per rank stay bf16
         quantization = fp8_quantization_config(HFModel.from_dict(hf_config), EngineLayout(
-            extra.get("tp_size", 1), extra.get("ep_size", 1))) if base == "fp8" else None
+            extra.get("tp_size", 1), extra.get("ep_size", 1), attn_dp_size=dp)) if base == "fp8" else None
         model_dir = engine_model_dir(raw, os.path.join(work, f"{base}{i}"), eos, quantization_config=quantization)
         attention = extra.pop("attention_backend", backend)  # a kind's own backend replaces the config's
         t0 = time.perf_counter()
+        # under DP attention a rank decodes its share of the batch (SGLang divides max_running_requests)
+        per_rank = -(-batch // dp)
         eng = engine(model_dir, attention, load_format="dummy", disable_cuda_graph=False, mem_fraction_static=0.8,
-                     cuda_graph_max_bs=batch, max_running_requests=batch, **extra)
+                     **{"cuda_graph_max_bs": per_rank, "max_running_requests": batch, **extra})
         start_s = time.perf_counter() - t0
         try:
             if spread:
@@ -411,7 +435,8 @@ def speed_main(argv: list[str]) -> int:
                     "(rollout.moe_config_dir); default: the ones it ships")
     ap.add_argument("--kinds", default="bf16,fp8", help=(
         "which engines, in order: bf16, fp8, or either with :KEY=VALUE[+KEY=VALUE] (an engine with those "
-        "arguments: bf16:attention_backend=flashinfer, bf16:tp_size=4+ep_size=4)"))
+        "arguments: bf16:attention_backend=flashinfer, bf16:tp_size=4+ep_size=4; dp_attention=true: the loop's "
+        "DP attention over tp_size ranks, bf16:tp_size=4+ep_size=4+dp_attention=true)"))
     ap.add_argument("--fp8-engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an SGLang engine argument of every FP8 engine, e.g. moe_runner_backend=triton "
                     "(repeatable; values parsed as YAML)")
@@ -546,6 +571,7 @@ def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[
     """In a process of its own (SGLang kills the process that made an engine when it fails): one engine,
     each layer's output in the prefill of `tokens`, the log-prob of each token, the routed experts."""
     from mcore_rl.config import sections as C
+    from mcore_rl.config.checks import attention_dp
     from mcore_rl.rollout import jit_cache
     from mcore_rl.rollout import sglang as S
     from mcore_rl.sync.engine_layout import EngineLayout
@@ -553,7 +579,7 @@ def engine_side(config: str, overrides: list[str], model_dir: str, tokens: list[
     cfg = C.load_config(config, overrides)
     gpu = cfg.cluster.device == "gpu"
     tp, ep = cfg.rollout.tp_size, cfg.rollout.ep_size
-    layout = EngineLayout(tp, ep, 1, tp)
+    layout = EngineLayout(tp, ep, 1, tp, attention_dp(cfg))
     args = S.engine_args(cfg, model_dir, layout, 0, None, 0.6 if gpu else cfg.rollout.mem_fraction_static)
     args.update(enable_memory_saver=False)  # alone on its GPUs: nothing to release for
     args.pop("max_running_requests", None)
@@ -615,6 +641,26 @@ def trainer_side(hf, model, tokens: list[int], device, routes=None) -> dict:
     return {"hidden": torch.stack(kept), "logprobs": logprobs, "routes": taken}
 
 
+@contextlib.contextmanager
+def megatron_elementwise(model):
+    """Within: `model`'s RoPE and SwiGLU as megatron-core computes them without TE, in bf16 (the rope_fp32
+    patch undone; every MLP back on megatron's own GLU, which it applies where use_te_activation_func is off)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rope = rope_utils._apply_rotary_pos_emb_bshd
+    configs = {id(m.config): m.config for m in model.modules() if getattr(m, "config", None) is not None}
+    saved = [(c, c.use_te_activation_func) for c in configs.values()]
+    rope_utils._apply_rotary_pos_emb_bshd = getattr(rope, "__wrapped__", rope)
+    for c, _ in saved:
+        c.use_te_activation_func = False
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = rope
+        for c, v in saved:
+            c.use_te_activation_func = v
+
+
 def compare(trainer: dict, engine: dict) -> tuple[list[dict], dict]:
     rows = []
     for i, (t, e) in enumerate(zip(trainer["hidden"], engine["hidden"])):
@@ -644,6 +690,8 @@ def hidden_gap_main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=256, help="length of the random token sequence")
     ap.add_argument("--replay", action="store_true", help="also the trainer with the engine's experts (R3)")
+    ap.add_argument("--megatron-elementwise", action="store_true",
+                    help="also the trainer with megatron's bf16 RoPE and SwiGLU (an A/B of mcore_rl's fp32 ones)")
     ap.add_argument("--checkpoint", help="a run's checkpoint (checkpoints/step_N): the trainer loads its model, and the "
                                          "engine loads the export that `python -m mcore_rl.convert mcore-to-hf` makes of it")
     ap.add_argument("--engine-side", nargs=3, metavar=("MODEL_DIR", "TOKENS_JSON", "OUT"), help=argparse.SUPPRESS)
@@ -678,8 +726,13 @@ def hidden_gap_main(argv: list[str]) -> int:
                     os.path.join(work, "tokens.json"), engine_out, *a.overrides], check=True, env=env, cwd=REPO)
     engine = torch.load(engine_out, weights_only=True)
     runs = {"live": trainer_side(hf, model, tokens, device)}
-    if a.replay and engine["routes"] is not None:
-        runs["replay"] = trainer_side(hf, model, tokens, device, routes=engine["routes"])
+    routes = engine["routes"] if a.replay else None
+    if routes is not None:
+        runs["replay"] = trainer_side(hf, model, tokens, device, routes=routes)
+    if a.megatron_elementwise:
+        with megatron_elementwise(model):
+            runs[("replay" if routes is not None else "live") + "_megatron_elementwise"] = trainer_side(
+                hf, model, tokens, device, routes=routes)
     result = {"config": a.config, "overrides": a.overrides, "tokens": n, "layers": hf.num_layers,
               "engine": f"SGLang {engine['version']} TP={cfg.rollout.tp_size} EP={cfg.rollout.ep_size}",
               "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": cfg.model.dtype,
@@ -696,7 +749,92 @@ def hidden_gap_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"speed": speed_main, "logprob-gap": logprob_gap_main, "hidden-gap": hidden_gap_main}
+# ----------------------------------------------------------------------------- against fp64 (`precision`)
+def _keep_outputs(kept: dict, named_modules, seq_first: bool) -> list:
+    """Forward hooks keeping each module's (first) output as fp64 [tokens, hidden] under its name."""
+    def hook(name):
+        def keep(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            kept[name] = (out[:, 0] if seq_first else out[0]).detach().double().cpu()
+        return keep
+    return [m.register_forward_hook(hook(name)) for name, m in named_modules]
+
+
+def transformers_points(model_dir: str, dtype, tokens: list[int]) -> tuple[dict, torch.Tensor]:
+    """transformers' model of `model_dir` in `dtype` (eager attention and experts): each layer's attention, MLP and
+    residual stream outputs and each token's log-prob, and the experts its routers chose [tokens, layers, top-k]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                              experts_implementation="eager").eval()
+    layers, kept, routes = model.model.layers, {}, {}
+    named = [(f"{k}{i}", getattr(layer, attr)) for i, layer in enumerate(layers)
+             for k, attr in (("attn", "self_attn"), ("mlp", "mlp"))] + [(f"out{i}", l) for i, l in enumerate(layers)]
+    hooks = _keep_outputs(kept, named, seq_first=False)
+    for i, layer in enumerate(layers):
+        if hasattr(layer.mlp, "gate"):  # DeepSeek's router returns (logits, weights, indices)
+            hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, o, i=i: routes.__setitem__(i, o[2])))
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    for h in hooks:
+        h.remove()
+    kept["logprobs"] = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    k = model.config.num_experts_per_tok
+    taken = torch.zeros(len(tokens), len(layers), k, dtype=torch.long)
+    for i, r in routes.items():
+        taken[:, i] = r.reshape(len(tokens), k)
+    return kept, taken
+
+
+def trainer_points(hf, model, tokens: list[int], device, routes) -> dict:
+    """The same points of the trainer's model, its routers taking `routes` (the reference's experts)."""
+    kept = {}
+    layers = model.decoder.layers
+    hooks = _keep_outputs(kept, [(f"{k}{i}", getattr(layer, attr)) for i, layer in enumerate(layers)
+                                 for k, attr in (("attn", "self_attention"), ("mlp", "mlp"))], seq_first=True)
+    got = trainer_side(hf, model, tokens, device, routes=routes)
+    for h in hooks:
+        h.remove()
+    kept.update({f"out{i}": h.double() for i, h in enumerate(got["hidden"])}, logprobs=got["logprobs"])
+    return kept
+
+
+def precision_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="engine_bench.py precision", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=256, help="length of the random token sequence")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    from mcore_rl.config import sections as C
+
+    cfg = C.load_config(a.config, a.overrides)
+    gpu = cfg.cluster.device == "gpu"
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    hf, model = trainer_model(cfg, gpu)
+    model_dir = export(cfg, model, tempfile.mkdtemp(prefix="precision_"))
+    tokens = torch.randint(0, hf.vocab_size, (a.tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref, routes = transformers_points(model_dir, torch.float64, tokens)
+    runs = {"transformers fp32": transformers_points(model_dir, torch.float32, tokens)[0],
+            f"transformers {cfg.model.dtype}": transformers_points(model_dir, DTYPES[cfg.model.dtype], tokens)[0],
+            f"trainer {cfg.model.dtype}": trainer_points(hf, model, tokens, device, routes)}
+    with megatron_elementwise(model):
+        runs[f"trainer {cfg.model.dtype}, megatron's RoPE/SwiGLU"] = trainer_points(hf, model, tokens, device, routes)
+    points = [k for k in ref if k != "logprobs"]
+    rel = {name: {k: ((r[k] - ref[k]).norm() / ref[k].norm()).item() for k in points} for name, r in runs.items()}
+    logp = {name: (r["logprobs"] - ref["logprobs"]).abs().mean().item() for name, r in runs.items()}
+    print(table(["point", *runs], [[k, *(rel[n][k] for n in runs)] for k in points]
+                + [["log-prob |diff|", *(logp[n] for n in runs)]], digits=5))
+    write_json({"config": a.config, "overrides": a.overrides, "tokens": a.tokens, "layers": hf.num_layers,
+                "dtype": cfg.model.dtype, "reference": "transformers fp64 on the same weights",
+                "relative_error": rel, "logp_abs_diff_mean": logp}, a.out)
+    return 0
+
+
+COMMANDS = {"speed": speed_main, "logprob-gap": logprob_gap_main, "hidden-gap": hidden_gap_main,
+            "precision": precision_main}
 
 
 def main(argv: list[str] | None = None) -> int:

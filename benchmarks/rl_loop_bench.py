@@ -176,6 +176,7 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
     from mcore_rl.rollout.group import EngineSlot
     from mcore_rl.rollout.launch import start_sglang
     from mcore_rl.rollout.placement import plan_placement
+    from mcore_rl.config.checks import attention_dp
     from mcore_rl.sync.engine_layout import EngineLayout
     from mcore_rl.loop.startup import memory_plan
 
@@ -190,8 +191,8 @@ def engine_alone(cfg, model_dir: str, batch: int, prompt_len: int, max_new: int,
                                  strategy="PACK")
             ray.get(pg.ready())
             slots += [EngineSlot(n.engine, n.node_rank, pg, i, None, owns_pg=True) for i, n in enumerate(nodes)]
-        group = start_sglang(cfg, model_dir, slots, EngineLayout(tp, cfg.rollout.ep_size, placement.nnodes,
-                                                                 tp // placement.nnodes), 0 if cpu else tp, plan)
+        layout = EngineLayout(tp, cfg.rollout.ep_size, placement.nnodes, tp // placement.nnodes, attention_dp(cfg))
+        group = start_sglang(cfg, model_dir, slots, layout, 0 if cpu else tp, plan)
         try:
             prompts = [[5 + (i + j) % 11 for j in range(prompt_len)] for i in range(batch)]
             params = SamplingParams(n=1, temperature=cfg.rollout.temperature, max_new_tokens=max_new, seed=1)

@@ -95,6 +95,11 @@ class RolloutConfig(Section):
         "(benchmarks at a fixed length, random weights)"))
     tp_size: int = Field(1, ge=1)
     ep_size: int = Field(1, ge=1)
+    dp_attention: bool = Field(False, description=(
+        "SGLang's DP attention in each engine (enable_dp_attention, dp_size = tp_size; MLA models): each rank "
+        "runs its own requests through whole attention with its own KV cache (plain TP replicates MLA's latent "
+        "cache on every rank), embeddings, lm_head and dense MLP whole per rank, experts over the TP group "
+        "(rollout.ep_size); rollout.max_running_requests / cuda_graph_max_bs are then per rank"))
     mem_fraction_static: float = Field(0.7, gt=0, lt=1)
     enable_memory_saver: bool = True
     val_temperature: float = Field(0.0, ge=0, description="validation sampling; 0 = greedy")

@@ -16,6 +16,8 @@ tensor is split:
   on dim 1, routed experts are stacked per layer into `w13_weight [E/ep, 2I/moe_tp, H]` and
   `w2_weight [E/ep, H, I/moe_tp]` with moe_tp = tp / ep, gate/up are fused into `gate_up_proj`,
   and after loading SGLang derives `w_kc`/`w_vc` from `kv_b_proj` (one more kv_b-sized tensor).
+  Under DP attention (rollout.dp_attention: dp = tp) attention, embeddings, lm_head and the dense
+  MLP are whole on every rank; shared and routed experts are split as without it.
 """
 
 from __future__ import annotations
@@ -133,35 +135,34 @@ def _engine_name(hf: HFModel, hf_name: str) -> tuple[str, int | None]:
     return name, expert
 
 
-def _engine_shard(hf: HFModel, hf_name: str, tp: int, ep: int, rank: int):
+def _engine_shard(hf: HFModel, hf_name: str, layout, rank: int):
     """(split dim, parts, this rank's part) of one HF tensor on engine rank `rank`, from the sync's
-    table (`mcore_rl.sync.engine_layout.SGLANG_RULES`)."""
+    table (`mcore_rl.sync.engine_layout.SGLANG_RULES`, `EngineLayout.parts_of`)."""
     from mcore_rl.sync.engine_layout import engine_param
 
     rule = engine_param(hf_name, hf)[1]
     split = rule.split
-    if split in ("moe_row", "moe_col"):
-        moe_tp = tp // ep
-        return (0 if split == "moe_row" else 1), moe_tp, rank % moe_tp
-    if split == "rep":
+    parts, index = layout.parts_of(rule, rank)
+    if parts == 1:
         return None, 1, 0
-    if split == "kv_head" and rule.part > 0 and hf.num_kv_heads < tp:  # k or v (q is part 0)
+    if split == "kv_head" and rule.part > 0 and hf.num_kv_heads < parts:  # k or v (q is part 0)
         # SGLang replicates KV heads when tp > kv heads: one head per rank
-        return 0, hf.num_kv_heads, rank * hf.num_kv_heads // tp
-    return (1 if split == "col" else 0), tp, rank
+        return 0, hf.num_kv_heads, index * hf.num_kv_heads // parts
+    return (1 if split in ("col", "moe_col") else 0), parts, index
 
 
-def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
+def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0, attn_dp: int = 1,
                    dtype: torch.dtype = torch.bfloat16, weight_dtype: str = "bf16") -> dict[str, EngineTensor]:
-    """The SGLang model's tensors on engine rank `rank` (experts: the rank's contiguous block).
+    """The SGLang model's tensors on engine rank `rank` (experts: the rank's contiguous block) of an
+    engine of `tp` ranks, `ep` expert-parallel, `attn_dp` attention-DP (SGLang's dp_size under DP attention).
     `weight_dtype="fp8"`: what the engine runs in FP8 at this layout is e4m3 plus an fp32
     weight_scale_inv; the linear layers it keeps in `dtype` there (`runs_in_fp8`) count as such."""
     from mcore_rl.sync import fp8
     from mcore_rl.sync.engine_layout import EngineLayout, keeps_fp32, runs_in_fp8
 
-    ep_rank = rank // (tp // ep)
-    per_ep = hf.num_experts // ep if hf.num_experts else 0
-    mine = range(ep_rank * per_ep, (ep_rank + 1) * per_ep)
+    layout = EngineLayout(tp, ep, attn_dp_size=attn_dp)
+    mine = layout.experts_of(rank, hf.num_experts or 0)  # the rank's contiguous block, as the sync places them
+    per_ep = len(mine)
     out: dict[str, EngineTensor] = {}
     rows: dict[str, list[int]] = {}
     for w in weights:
@@ -169,13 +170,13 @@ def engine_tensors(hf: HFModel, weights, *, tp: int, ep: int, rank: int = 0,
             continue
         tensors = []
         for hf_name, shape in w.hf:
-            if weight_dtype == "fp8" and runs_in_fp8(hf_name, hf, EngineLayout(tp, ep)):
+            if weight_dtype == "fp8" and runs_in_fp8(hf_name, hf, layout):
                 tensors += [(hf_name, shape, fp8.E4M3), (fp8.scale_name(hf_name), fp8.scale_shape(shape), torch.float32)]
             else:
                 tensors.append((hf_name, shape, torch.float32 if keeps_fp32(hf_name, hf) else dtype))
         for hf_name, shape, tdtype in tensors:
             name, expert = _engine_name(hf, hf_name)
-            dim, parts, index = _engine_shard(hf, hf_name, tp, ep, rank)
+            dim, parts, index = _engine_shard(hf, hf_name, layout, rank)
             local = list(shape)
             if dim is not None:
                 local[dim] //= parts

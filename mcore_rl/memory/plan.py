@@ -17,7 +17,7 @@ import sys
 
 from mcore_rl.preflight.bad_input import BAD_INPUT, report
 from mcore_rl.config.sections import ConfigError, load_config
-from mcore_rl.config.checks import hf_model_dims, recompute_choice, rollout_gpus
+from mcore_rl.config.checks import attention_dp, hf_model_dims, recompute_choice, rollout_gpus
 from mcore_rl.memory.gpus import GpuSelectionError, plan_capacity
 from mcore_rl.memory.host import HostInputs, plan_with_host
 from mcore_rl.memory.planner import AUTO_BUDGET_MAX, RECOMPUTE_BY_COST, MemoryPlanError, Plan, PlanInputs, pick_micro_batch
@@ -27,20 +27,20 @@ from mcore_rl.models.config import HFModel
 def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
     """The plan of a validated Config, host memory included; raises MemoryPlanError when it cannot fit.
     memory.offload_train_states auto: the trainer's states stay on the GPUs if that plan fits with KV
-    for the whole step's sequences in each engine, else the plan offloads them."""
+    for the whole step's sequences in each engine rank, else the plan offloads them."""
     source = "given"
     if capacity is None:  # read once: an auto choice plans twice on the same GPUs
         capacity, source = plan_capacity(cfg.memory.gpu_memory_gb)
     if cfg.memory.offload_train_states != "auto":
         return _plan(cfg, capacity), source
-    need = rollout_tokens_per_engine(cfg)
+    need = rollout_tokens_per_rank(cfg)
     try:
         plan = _plan(_offloading(cfg, False), capacity)
-        why = f"they fit beside the engine, with KV for the step's {need:,} tokens an engine"
+        why = f"they fit beside the engine, with KV for the step's {need:,} tokens an engine rank"
         if plan.kv_tokens >= need:
             plan.notes.insert(1, f"trainer states: kept on the GPUs while the engine runs (picked: {why})")
             return plan, source
-        why = f"kept, the KV cache would hold {plan.kv_tokens:,} of the step's {need:,} tokens an engine"
+        why = f"kept, the KV cache would hold {plan.kv_tokens:,} of the step's {need:,} tokens an engine rank"
     except MemoryPlanError as e:
         why = f"kept, {str(e).splitlines()[0]}"
     plan = _plan(_offloading(cfg, True), capacity)
@@ -48,10 +48,12 @@ def plan_for_config(cfg, capacity: int | None = None) -> tuple[Plan, str]:
     return plan, source
 
 
-def rollout_tokens_per_engine(cfg) -> int:
-    """The KV tokens an engine needs to hold its share of a step's sequences at once."""
+def rollout_tokens_per_rank(cfg) -> int:
+    """The KV tokens an engine rank needs to hold its share of a step's sequences at once: its
+    engine's share (with plain TP every rank holds all of it), or under DP attention that share's
+    part that SGLang deals to the rank."""
     engines = max(1, rollout_gpus(cfg) // cfg.rollout.tp_size)
-    sequences = -(-cfg.data.train_batch_size * cfg.rollout.n // engines)
+    sequences = -(-cfg.data.train_batch_size * cfg.rollout.n // (engines * attention_dp(cfg)))
     return sequences * (cfg.data.max_prompt_length + cfg.rollout.max_response_len)
 
 

@@ -57,7 +57,10 @@ Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
                linear weights are 1 B an element plus an fp32 scale per 128 x 128 block (w_kc/w_vc
                stay in the model dtype)
   KV cache   per token: MLA (kv_lora_rank + qk_rope_head_dim) * L * 2 B (not split over tp);
-               MHA/GQA 2 * max(1, kv_heads / tp) * head_dim * L * 2 B
+               MHA/GQA 2 * max(1, kv_heads / tp) * head_dim * L * 2 B. With plain TP every rank
+               holds the KV of all the engine's requests (MLA's latent replicated); under DP
+               attention (rollout.dp_attention, dp = tp) a rank holds only its own requests', so
+               the engine holds dp x the tokens (max_total_tokens is SGLang's per rank either way)
   mem_fraction_static f: SGLang measures the free memory P before loading (pre_model_load_memory)
                and sizes the pool as free-after-load - P * (1 - f), i.e. weights + KV = f * P and
                (1 - f) * P is left for CUDA graphs and activations. P here is the capacity minus
@@ -65,6 +68,7 @@ Engine (SGLang, one rank of an engine with tp_size, ep_size; moe_tp = tp / ep):
                offloaded). The planner picks the largest f (step 0.01, at most 0.95) whose
                (1 - f) * P still holds the CUDA graphs and runtime activations.
   CUDA graphs = memory.cuda_graph_gb, or about cuda_graph_max_bs * (4 V / tp + 64 h) + 512 MiB
+               (V whole under DP attention: lm_head per rank)
                (the largest batch's logits and hidden buffers, shared pool). Under hook mode
                "torch" torch_memory_saver cannot pause graph memory: it stays in every phase.
   activations = chunked_prefill_size * 32 h + B * S * V, B = max_running_requests (the largest
@@ -150,6 +154,7 @@ class PlanInputs:
     micro_tokens: int = 4096
     rollout_tp: int = 1
     rollout_ep: int = 1
+    rollout_attn_dp: int = 1  # DP attention: attention-DP ranks of an engine, each with its own requests' KV
     rollout_weight_dtype: str = "bf16"  # fp8: the engine's linear weights in block FP8 (+ fp32 scales)
     mem_fraction_static: float | None = None  # None: pick
     seq_len: int = 4096  # one full sequence (prompt + response) must fit in the KV cache
@@ -185,7 +190,7 @@ class PlanInputs:
     @classmethod
     def from_config(cls, cfg, capacity: int, budget: int | None = None, recompute: str | None = None) -> "PlanInputs":
         """budget, recompute: in place of the config's (its "auto": AUTO_BUDGET_MAX, none)."""
-        from mcore_rl.config.checks import actor_gpus, max_running_requests, recompute_choice
+        from mcore_rl.config.checks import actor_gpus, attention_dp, max_running_requests, recompute_choice
 
         a, r, m, d, p = cfg.actor, cfg.rollout, cfg.memory, cfg.data, cfg.parallel
         seq = d.max_prompt_length + r.max_response_len
@@ -203,7 +208,8 @@ class PlanInputs:
             fused_logprobs=gpu if a.fused_logprobs is None else a.fused_logprobs,
             fused_adam=gpu if a.fused_adam is None else a.fused_adam,
             packed_attention=a.packed_attention or ("varlen" if gpu else "sdpa"),
-            rollout_tp=r.tp_size, rollout_ep=r.ep_size, rollout_weight_dtype=r.weight_dtype,
+            rollout_tp=r.tp_size, rollout_ep=r.ep_size, rollout_attn_dp=attention_dp(cfg),
+            rollout_weight_dtype=r.weight_dtype,
             mem_fraction_static=None if m.auto_mem_fraction else r.mem_fraction_static,
             seq_len=seq, cuda_graph_max_bs=r.cuda_graph_max_bs, chunked_prefill_size=r.chunked_prefill_size,
             max_running_requests=max_running_requests(cfg), seeded_sampling=r.seeded,
@@ -275,10 +281,12 @@ class Plan:
         i = self.inputs
         lines.append("")
         lines.append(f"trainer: tp={i.tp} pp={i.pp} ep={i.ep} etp={i.etp} on {i.world} GPUs, worst stage "
-                     f"{self.worst_stage['train']}; engine: tp={i.rollout_tp} ep={i.rollout_ep}")
+                     f"{self.worst_stage['train']}; engine: tp={i.rollout_tp} ep={i.rollout_ep}"
+                     + (f" dp_attention={i.rollout_attn_dp}" if i.rollout_attn_dp > 1 else ""))
         lines.append(f"mem_fraction_static={self.mem_fraction_static:.2f} -> KV cache "
                      f"{self.kv_tokens:,} tokens ({self.kv_tokens // max(i.seq_len, 1):,} full "
-                     f"sequences of {i.seq_len})")
+                     f"sequences of {i.seq_len})" + (" per rank, each for its own requests (an engine: "
+                     f"{self.kv_tokens * i.rollout_attn_dp:,})" if i.rollout_attn_dp > 1 else ""))
         lines += self.notes
         if self.host is not None:
             lines += ["", self.host.table()]
@@ -383,7 +391,7 @@ def engine_weight_bytes(hf: HFModel, i: PlanInputs) -> int:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[i.dtype]
-    ts = engine_tensors(hf, inventory(hf), tp=i.rollout_tp, ep=i.rollout_ep, dtype=dtype,
+    ts = engine_tensors(hf, inventory(hf), tp=i.rollout_tp, ep=i.rollout_ep, attn_dp=i.rollout_attn_dp, dtype=dtype,
                         weight_dtype=i.rollout_weight_dtype)
     return sum(t.nbytes for t in ts.values())
 
@@ -391,7 +399,8 @@ def engine_weight_bytes(hf: HFModel, i: PlanInputs) -> int:
 def cuda_graph_bytes(hf: HFModel, i: PlanInputs) -> int:
     if i.cuda_graph_bytes is not None:
         return i.cuda_graph_bytes
-    return i.cuda_graph_max_bs * (4 * hf.vocab_size // i.rollout_tp + 64 * hf.hidden_size) + 512 * MiB
+    vocab = hf.vocab_size * i.rollout_attn_dp // i.rollout_tp  # a rank's logits (the whole vocab under DP attention)
+    return i.cuda_graph_max_bs * (4 * vocab + 64 * hf.hidden_size) + 512 * MiB
 
 
 SAMPLER_SEEDED, SAMPLER_PLAIN = 32, 12  # bytes per decode row and vocabulary entry (docstring)

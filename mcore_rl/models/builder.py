@@ -48,9 +48,11 @@ def global_names(model, num_experts: int) -> Callable[[str], str]:
     return global_name
 
 
-def _rewrite_spec(spec, norm, core_attention, moe: dict | None = None):
-    """Swap megatron's local norms and core attention (and MoE classes, `moe`) for ours in a spec tree."""
+def _rewrite_spec(spec, norm, core_attention, moe: dict | None = None, activation=None):
+    """Swap megatron's local norms and core attention (and MoE classes, `moe`) for ours in a spec tree;
+    `activation`: the module every MLP (dense, shared and routed experts) applies to its fc1 output."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -78,6 +80,8 @@ def _rewrite_spec(spec, norm, core_attention, moe: dict | None = None):
         if dataclasses.is_dataclass(x) and not isinstance(x, type):
             for f in dataclasses.fields(x):
                 setattr(x, f.name, fix(getattr(x, f.name)))
+            if isinstance(x, MLPSubmodules) and activation is not None and x.activation_func is None:
+                x.activation_func = activation
             return x
         return x
 
@@ -97,7 +101,7 @@ def layer_spec(config, vp_stage=None, fast_moe: bool = True, attention: str = "s
     from megatron.core.transformer.moe.router import TopKRouter
 
     from mcore_rl.models.experts import GroupedGemmExperts
-    from mcore_rl.models.layers import CORE_ATTENTION, RMSNorm
+    from mcore_rl.models.layers import CORE_ATTENTION, RMSNorm, SwiGLU
     from mcore_rl.models.router import ModelRouter, wants_model_router
 
     if attention not in CORE_ATTENTION:
@@ -107,7 +111,9 @@ def layer_spec(config, vp_stage=None, fast_moe: bool = True, attention: str = "s
     moe = {SequentialMLP: GroupedGemmExperts} if fast_moe else {}
     if wants_model_router(config):  # DeepSeek's group ranking, unnormalised sigmoid weights
         moe[TopKRouter] = ModelRouter
-    return _rewrite_spec(spec, RMSNorm, CORE_ATTENTION[attention], moe)
+    # megatron applies a spec's activation module only with use_te_activation_func (TE or not), else its GLU
+    activation = SwiGLU if config.use_te_activation_func else None
+    return _rewrite_spec(spec, RMSNorm, CORE_ATTENTION[attention], moe, activation)
 
 
 def build_model(hf: HFModel, config, *, vp_stage=None, pre_process=None, post_process=None,

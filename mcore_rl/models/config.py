@@ -170,6 +170,9 @@ def transformer_config(m: HFModel, *, tp: int = 1, pp: int = 1, ep: int = 1, etp
         layernorm_epsilon=m.get("rms_norm_eps", 1e-6),
         gated_linear_unit=True,
         activation_func=F.silu,
+        # the MLPs' SwiGLU is the spec's module (mcore_rl.models.layers.SwiGLU: fp32, rounded once, as the
+        # engines' kernels), which megatron applies under this name with or without TE
+        use_te_activation_func=True,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,

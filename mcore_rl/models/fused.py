@@ -40,10 +40,22 @@ def gpu_compiled(varying):
 
 @gpu_compiled(lambda x, probs: [(x, 0), (probs, 0)])
 def swiglu_probs(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, scaled per token by its routing probability, as megatron's expert MLP."""
-    gate, up = fc1_out.chunk(2, dim=-1)
-    h = F.silu(gate) * up
-    return (h * probs.unsqueeze(-1)).to(h.dtype)
+    """silu(gate) * up, scaled per token by its routing probability, as megatron's expert MLP; in fp32,
+    rounded once (what the compiled kernel does anyway: the eager path now rounds where it does)."""
+    gate, up = fc1_out.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up * probs.unsqueeze(-1)).to(fc1_out.dtype)
+
+
+@gpu_compiled(lambda x: [(x, 0)])
+def _swiglu_rows(fc1_out: torch.Tensor) -> torch.Tensor:
+    gate, up = fc1_out.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(fc1_out.dtype)
+
+
+def swiglu(fc1_out: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of an MLP's fc1 output [..., gate | up], in fp32 and rounded once to its dtype, as
+    TE's and SGLang's kernels compute it (megatron's local GLU rounds silu(gate) before the product)."""
+    return _swiglu_rows(fc1_out.reshape(-1, fc1_out.shape[-1])).view(*fc1_out.shape[:-1], fc1_out.shape[-1] // 2)
 
 
 @gpu_compiled(lambda x, weight, eps: [(x, 0)])

@@ -1,4 +1,5 @@
-"""Local (non-TE) layers that megatron-core 0.16.1 lacks: SDPA core attention and an SP-ready RMSNorm."""
+"""Local (non-TE) layers that megatron-core 0.16.1 lacks: SDPA core attention, an SP-ready RMSNorm and a
+SwiGLU rounded once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from mcore_rl.models.fused import rms_norm
+from mcore_rl.models.fused import rms_norm, swiglu
 
 
 class SDPACoreAttention(MegatronModule):
@@ -122,3 +123,15 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
+
+
+class SwiGLU(MegatronModule):
+    """The MLPs' activation as a spec module (megatron builds it where `use_te_activation_func` is set,
+    TE or not): silu(gate) * up in fp32, rounded once, as TE's and SGLang's kernels; megatron's local
+    GLU rounds silu(gate) to bf16 first, a rounding the engine does not make. No parameters."""
+
+    def __init__(self, config, **_):
+        super().__init__(config=config)
+
+    def forward(self, fc1_out):
+        return swiglu(fc1_out)

@@ -59,9 +59,27 @@ def _grad_norm_without_sync():
             module.multi_tensor_scale_impl = foreach_scale
 
 
+def _rope_fp32():
+    """Without TE's fused RoPE (apply_rope_fusion off) megatron rotates q and k in their own dtype: cos and
+    sin rounded to bf16, each product and the sum rounded again. TE's kernel, and SGLang's on CUDA (an fp32
+    cos/sin cache, flashinfer's kernel), compute in fp32 and round once; a bf16 trainer otherwise parts
+    from its engine at every rotated element of every layer. The packed (THD) path calls this one too."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    megatron_rope = rope_utils._apply_rotary_pos_emb_bshd
+
+    def rope_fp32(t, freqs, *args, **kwargs):
+        return megatron_rope(t.float(), freqs, *args, **kwargs).to(t.dtype)
+
+    rope_fp32.__wrapped__ = megatron_rope
+    rope_utils._apply_rotary_pos_emb_bshd = rope_fp32
+
+
 PATCHES = (
     Patch("mla_no_te", "MLA believes TE is present when TE's import was replaced by a MagicMock", _mla_no_te),
     Patch("moe_gemm_no_te", "moe_utils calls te_general_gemm, undefined when TE is absent", _moe_gemm_no_te),
+    Patch("rope_fp32", "without TE megatron applies RoPE in bf16, rounding cos, sin, products and sum; TE and "
+          "the engines compute it in fp32 and round once", _rope_fp32),
     Patch("grad_norm_no_sync", "the grad-norm fallback without apex/TE syncs with the host once per "
           "tensor", _grad_norm_without_sync),
 )

@@ -67,7 +67,7 @@ class Launching:
         # weights=False: the first sync gives the engines their weights, so they build on a dummy load
         # rather than read the checkpoint's files (a start from model.hf_path) only to overwrite them
         self.layout = EngineLayout(cfg.rollout.tp_size, cfg.rollout.ep_size, placement.nnodes,
-                                   cfg.rollout.tp_size // placement.nnodes)
+                                   cfg.rollout.tp_size // placement.nnodes, config_checks.attention_dp(cfg))
         self.model_dir = server.engine_model_dir(hf_dir, os.path.join(run_dir, "engine_hf"), stop_ids,
                                                  cfg.cluster.device, cfg.rollout.weight_dtype, weights=False,
                                                  layout=self.layout)

@@ -132,20 +132,22 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_ini
         args["moe_runner_backend"] = "deep_gemm"
     if config_checks.returns_routes(cfg):
         args["enable_return_routed_experts"] = True
+    dp = layout.attn_dp_size
+    args.update(dp_attention_args(dp))
     if cfg.cluster.device == "cpu":  # SGLang's CPU engine (mcore_rl.rollout.sglang_cpu)
         # sleep_on_idle: an idle scheduler otherwise polls for requests in a busy loop, a core per engine
         # taken from the trainer's ranks (colocated, they update while the engines wait) and other engines
         args.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
                     disable_cuda_graph=True, max_total_tokens=r.cpu_kv_tokens, sleep_on_idle=True)
-        if r.max_running_requests:  # unset, the CPU engine takes any batch
-            args["max_running_requests"] = r.max_running_requests
+        if r.max_running_requests:  # unset, the CPU engine takes any batch; per rank under DP attention
+            args["max_running_requests"] = r.max_running_requests * dp
     else:
         # disable_shared_experts_fusion: on GPUs SGLang may fold a shared expert into the routed ones
         # (GLM-4.5, DeepSeek-V3 at EP 1); the sync's read-back table (sync/engine_layout.py) knows
         # shared experts as their own parameters, as the CPU engine and EP > 1 always keep them
         args.update(enable_memory_saver=r.enable_memory_saver and cfg.cluster.colocate,
                     cuda_graph_max_bs=r.cuda_graph_max_bs, disable_shared_experts_fusion=True,
-                    max_running_requests=config_checks.max_running_requests(cfg))
+                    max_running_requests=config_checks.max_running_requests(cfg) * dp)  # SGLang's: the engine's
         if r.seeded:  # its flashinfer sampler takes no seeds (mcore_rl.rollout.sglang_plugin)
             args["sampling_backend"] = "pytorch"
         if r.attention_backend:
@@ -153,6 +155,14 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_ini
         if kv_tokens:
             args["max_total_tokens"] = kv_tokens
     return args
+
+
+def dp_attention_args(dp: int) -> dict:
+    """SGLang's arguments for DP attention over `dp` ranks (none for 1): attention, embeddings, lm_head
+    (enable_dp_lm_head) and the dense MLP (moe_dense_tp_size=1) whole per rank when dp = tp_size, the
+    layout the sync places weights by (mcore_rl.sync.engine_layout's groups). SGLang's DP controller
+    deals an engine's requests out to its ranks round robin (load_balance_method auto, 0.5.17-0.5.20)."""
+    return dict(enable_dp_attention=True, dp_size=dp, enable_dp_lm_head=True, moe_dense_tp_size=1) if dp > 1 else {}
 
 
 def engine_env(cfg, layout: EngineLayout) -> dict:
@@ -285,6 +295,7 @@ class SGLangServer:
         self.node_rank, self.nnodes = engine_args.get("node_rank", 0), engine_args.get("nnodes", 1)
         per = engine_args.get("tp_size", 1) // engine_args.get("nnodes", 1)
         self.tp_ranks = range(self.node_rank * per, (self.node_rank + 1) * per)  # SGLang's, on this node
+        self.rpc_peers = engine_args.get("dp_size", 1) if engine_args.get("enable_dp_attention") else 1
         if self.node_rank > 0:  # serve the ranks of this node, return instead of blocking
             os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
         if "nccl_port" in self.known and engine_args.get("nccl_port") is None:  # SGLang's own pick is ephemeral
@@ -335,6 +346,25 @@ class SGLangServer:
         return [[lp[0] for lp in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
 
     # ---- weight updates (the WeightTarget entry points, for this engine) ---------------------------
+    def collective_rpc(self, method: str, **kwargs) -> None:
+        """SGLang's `Engine.collective_rpc`: `method` run by every scheduler; a failed call raises
+        AssertionError, as SGLang's does. Under DP attention each attention-DP leader (every rank at dp
+        = tp) holds a socket of the engine's RPC channel, which deals messages round robin, and
+        answers each call SGLang's schedulers run (all ranks run tp rank 0's, from the one it got;
+        0.5.17-0.5.20): SGLang's own call there reaches one rank, and hangs when that is not rank 0.
+        So one message a leader, and as many answers read."""
+        if self.rpc_peers == 1:
+            return self.engine.collective_rpc(method, **kwargs)
+        import zmq
+        from sglang.srt.managers.io_struct import RpcReqInput, RpcReqOutput, sock_recv, sock_send
+
+        for _ in range(self.rpc_peers):
+            sock_send(self.engine.send_to_rpc, RpcReqInput(method=method, parameters=kwargs))
+        answers = [sock_recv(self.engine.send_to_rpc, flags=zmq.BLOCKY) for _ in range(self.rpc_peers)]
+        assert all(isinstance(a, RpcReqOutput) for a in answers), answers
+        failed = [a.message for a in answers if not a.success]
+        assert not failed, failed[0]
+
     def begin_weight_update(self) -> None:
         if hasattr(self.engine, "begin_weight_update"):  # sglang >= 0.5.23
             _ok(self.engine.begin_weight_update(), "begin_weight_update")
@@ -342,7 +372,7 @@ class SGLangServer:
     def end_weight_update(self) -> None:
         if hasattr(self.engine, "end_weight_update"):
             _ok(self.engine.end_weight_update(), "end_weight_update")
-        self.engine.collective_rpc("mcore_rl_refresh_derived")  # what SGLang derived from the old weights
+        self.collective_rpc("mcore_rl_refresh_derived")  # what SGLang derived from the old weights
 
     def update_weights_from_tensor(self, payloads: list, load_format: str | None = None, flush_cache: bool = True):
         """One payload per tp rank of this engine: serialized buckets (CUDA IPC handles, from the
@@ -356,7 +386,7 @@ class SGLangServer:
         the read-back's placement table (`rollout.sync_load: direct`, mcore_rl.rollout.sglang_plugin)."""
         payloads = [self._serialize(p, by_name=self.nnodes > 1) if isinstance(p, dict) else p for p in payloads]
         try:
-            self.engine.collective_rpc("mcore_rl_load_bucket", payloads=payloads, layout=layout, hf=hf)
+            self.collective_rpc("mcore_rl_load_bucket", payloads=payloads, layout=layout, hf=hf)
         except AssertionError as e:  # how collective_rpc reports a failed call
             raise EngineError(f"SGLang direct weight load failed: {e}") from None
         if flush_cache:  # what update_weights_from_tensor(flush_cache=True) does after its load
@@ -398,12 +428,12 @@ class SGLangServer:
         """Node 0: every rank of the engine, on every node, writes its parameters' digests (`derived`:
         and those of every other tensor its model holds) to `path.tp{rank}.json` on its own machine
         (SGLang's collective_rpc reaches all schedulers)."""
-        self.engine.collective_rpc("mcore_rl_weight_digests", path=path, derived=derived)
+        self.collective_rpc("mcore_rl_weight_digests", path=path, derived=derived)
 
     def capture_hidden(self, path: str, tokens: int) -> None:
         """Each rank keeps every decoder layer's output of its next forward of `tokens` tokens (a
         prefill) in `path.tp{rank}.pt` (sglang_plugin.capture_hidden)."""
-        self.engine.collective_rpc("mcore_rl_capture_hidden", path=path, tokens=tokens)
+        self.collective_rpc("mcore_rl_capture_hidden", path=path, tokens=tokens)
 
     def read_weight_digests(self, path: str) -> dict[int, dict]:
         """{tp rank: {SGLang parameter name: [dtype, shape, bytes, sum, weighted sum]}} of this
@@ -428,7 +458,7 @@ class SGLangServer:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.engine.collective_rpc("mcore_rl_check_idle")
+                self.collective_rpc("mcore_rl_check_idle")
                 break
             except AssertionError:  # collective_rpc's way of reporting a failed call
                 if time.monotonic() > deadline:
@@ -439,7 +469,7 @@ class SGLangServer:
     def resume(self, tags: list[str]) -> None:
         tags = check_tags(tags)
         self.engine.resume_memory_occupation(tags=tags)
-        self.engine.collective_rpc("mcore_rl_refresh_derived")  # what the release lost (sglang_plugin)
+        self.collective_rpc("mcore_rl_refresh_derived")  # what the release lost (sglang_plugin)
 
     # ---- life ----------------------------------------------------------------------------------------
     def health(self) -> dict:

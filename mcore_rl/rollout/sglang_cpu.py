@@ -16,6 +16,14 @@ but a few things it imports or dispatches to exist only in GPU builds:
   falls back to triton's, which takes the MHA prefill path over the latent cache and fails. The
   handler registered here always picks MLA (`register_mla_handler`, run in every scheduler by
   `mcore_rl.rollout.sglang_plugin`).
+- Expert parallelism: SGLang's CPU experts (`moe_forward_native`) index a table of the rank's own
+  experts with the top-k ids, where an expert of another EP rank is -1 and fails; the GPU kernels
+  skip it. Here it counts as expert 0 at weight 0, one top-k slot at a time (`register_expert_parallel`).
+- DP attention: SGLang pads an attention-DP rank's batch with dummy requests whose seq_lens come
+  from the attention backend's `get_cpu_graph_seq_len_fill_value`, which torch_native lacks (1,
+  as intel_amx's), and at ep = dp = tp combines the MoE's output with pynccl's reduce_scatterv,
+  where gloo has no reduce-scatter: all-reduce + scatter here, the path it takes otherwise
+  (`register_dp_attention`).
 - Routed-experts capture (`enable_return_routed_experts`) keeps its host buffer through
   `ALLOC_MEMORY_FUNCS`, whose default pins it with cudaHostRegister ("Torch not compiled with CUDA
   enabled"). On CPU the host buffer is plain memory (`register_host_buffers`, run by the plugin).
@@ -180,6 +188,44 @@ def register_mla_handler() -> None:
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
     AttentionBackendRegistry.register("torch_native", lambda attn, forward_batch: AttnForwardMethod.MLA)
+
+
+def register_expert_parallel() -> None:
+    """SGLang's CPU experts at EP > 1 (see the module docstring): an expert of another EP rank, id -1
+    in top-k, taken as expert 0 at weight 0 (contributes nothing), as the GPU kernels skip it."""
+    from sglang.srt.layers.moe import fused_moe_native
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    native = fused_moe_native.moe_forward_native
+    if getattr(native, "mcore_rl_ep", False):
+        return
+
+    def moe_forward_native(layer, x, topk_output, moe_runner_config):
+        weights, ids, logits = topk_output
+        other = ids < 0
+        if not bool(other.any()):
+            return native(layer, x, topk_output, moe_runner_config)
+        weights, ids = weights.masked_fill(other, 0), ids.masked_fill(other, 0)
+        # one top-k slot a call: SGLang counts a token's experts with scatter_, which would count two
+        # slots of expert 0 as one
+        return sum(native(layer, x, StandardTopKOutput(weights[:, k:k + 1], ids[:, k:k + 1], logits),
+                          moe_runner_config) for k in range(ids.shape[1]))
+
+    moe_forward_native.mcore_rl_ep = True
+    fused_moe_native.moe_forward_native = moe_forward_native  # SGLang imports it from there at each call
+
+
+def register_dp_attention() -> None:
+    """DP attention on the CPU engine (see the module docstring): torch_native's fill value for the
+    seq_lens of the dummy requests that pad a rank's batch to its peers', and the MoE's combine by
+    all-reduce + scatter instead of pynccl's reduce_scatterv (gloo has no reduce-scatter)."""
+    from sglang.srt.layers import communicator, moe
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.moe import utils
+
+    TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: 1
+    for module in (utils, moe, communicator):  # each holds the name
+        module.should_use_dp_reduce_scatterv = lambda: False
 
 
 def _plain_host_buffer(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):

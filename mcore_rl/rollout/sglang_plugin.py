@@ -222,7 +222,10 @@ def register() -> None:
     if os.environ.get("MCORE_RL_SEEDED_SAMPLING") == "1":
         _seeded_sampling()
     if os.environ.get("MCORE_RL_SGLANG_CPU") == "1":
-        from mcore_rl.rollout.sglang_cpu import register_host_buffers, register_mla_handler
+        from mcore_rl.rollout.sglang_cpu import (register_dp_attention, register_expert_parallel,
+                                                 register_host_buffers, register_mla_handler)
 
         register_mla_handler()
         register_host_buffers()
+        register_expert_parallel()
+        register_dp_attention()

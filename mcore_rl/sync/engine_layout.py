@@ -3,17 +3,30 @@ sync's read-back check (`ExpectedDigests`) and by the memory planner's engine te
 (`mcore_rl.memory.layout.engine_tensors`).
 
 A rule matches an HF tensor by the end of its name and says which SGLang parameter receives it,
-how it is split over the engine's tensor-parallel ranks, and which part of a fused parameter it
-fills (SGLang fuses q_a/kv_a, q/k/v, gate/up, and stacks routed experts into w13/w2):
+how it is split over a group of the engine's ranks, and which part of a fused parameter it fills
+(SGLang fuses q_a/kv_a, q/k/v, gate/up, and stacks routed experts into w13/w2). With n the
+group's size and r the rank's place in it (`EngineLayout.parts_of`):
 
 | split      | rank r gets                                                                     |
 | ---------- | ------------------------------------------------------------------------------- |
 | `rep`      | the whole tensor                                                                |
 | `row`      | its r-th chunk of rows                                                          |
 | `col`      | its r-th chunk of columns                                                       |
-| `vocab`    | rows [r*P, (r+1)*P) of the vocab padded to 64 * tp, P = padded/tp (rest zero)   |
-| `kv_head`  | the kv heads of r (q/k/v fusion; replicated when tp > kv heads)                 |
+| `vocab`    | rows [r*P, (r+1)*P) of the vocab padded to 64 * n, P = padded/n (rest zero)     |
+| `kv_head`  | the kv heads of r (q/k/v fusion; replicated when n > kv heads)                  |
 | `moe_row` / `moe_col` | as row/col over moe_tp = tp/ep, for experts in r's EP block          |
+
+| group   | what                                   | n, r: plain TP  | with DP attention (dp = attn_dp_size)   |
+| ------- | -------------------------------------- | --------------- | --------------------------------------- |
+| `attn`  | attention, embeddings, lm_head         | tp, tp_rank     | attn_tp = tp/dp, tp_rank % attn_tp      |
+| `dense` | the dense layers' MLP                  | tp, tp_rank     | 1, 0 (SGLang's moe_dense_tp_size=1)     |
+| `tp`    | shared experts                         | tp, tp_rank     | tp, tp_rank (inside the MoE, over all)  |
+
+DP attention is SGLang's `enable_dp_attention` with `dp_size` = dp: each group of attn_tp ranks
+serves its own requests with its own KV cache. It builds the embedding over the attention-TP group
+(`get_embedding_tp_kwargs`), lm_head there with `enable_dp_lm_head` (the engine sets it, and
+moe_dense_tp_size=1: `mcore_rl.rollout.sglang.own_args`), the shared experts of DeepseekV2MoE over
+the whole TP group (no all-to-all MoE backend), the routed experts as without it (0.5.17 and 0.5.20).
 
 `fp8` marks the weights an FP8 engine (`rollout.weight_dtype: fp8`, DeepSeek-V3's checkpoint
 format) can hold as e4m3: the linear layers of attention and of the dense, shared and routed MLPs;
@@ -50,10 +63,28 @@ class EngineLayout:
     ep_size: int = 1
     nnodes: int = 1
     gpus_per_node: int | None = None
+    attn_dp_size: int = 1  # SGLang's dp_size under enable_dp_attention (1: off)
 
     @property
     def moe_tp(self) -> int:
         return self.tp_size // self.ep_size
+
+    @property
+    def attn_tp(self) -> int:
+        return self.tp_size // self.attn_dp_size
+
+    def parts_of(self, rule: Place, tp_rank: int) -> tuple[int, int]:
+        """(n, r): how many parts `rule`'s tensor is split into over engine ranks, and rank
+        `tp_rank`'s (the module docstring's group table; SGLang's attn_tp_rank = tp_rank % attn_tp)."""
+        if rule.split == "rep":
+            return 1, 0
+        if rule.split.startswith("moe_"):
+            return self.moe_tp, tp_rank % self.moe_tp  # SGLang: moe_tp_rank = tp_rank % moe_tp
+        if rule.group == "attn":
+            return self.attn_tp, tp_rank % self.attn_tp
+        if rule.group == "dense" and self.attn_dp_size > 1:
+            return 1, 0
+        return self.tp_size, tp_rank
 
     def node_and_local(self, tp_rank: int) -> tuple[int, int]:
         """SGLang gives each node tp_size/nnodes consecutive ranks."""
@@ -67,18 +98,22 @@ class EngineLayout:
 
     def validate(self, hf: HFModel) -> None:
         problems = []
-        for name in ("tp_size", "ep_size", "nnodes"):
+        for name in ("tp_size", "ep_size", "nnodes", "attn_dp_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 problems.append(f"{name}={v!r} must be a positive integer")
         if problems:
             raise SyncPlanError("invalid engine layout: " + "; ".join(problems))
         tp, ep = self.tp_size, self.ep_size
-        if hf.num_attention_heads % tp:
-            problems.append(f"engine tp_size={tp} does not divide num_attention_heads={hf.num_attention_heads}")
-        if not hf.is_mla and hf.num_kv_heads % tp and tp % hf.num_kv_heads:
-            problems.append(f"engine tp_size={tp} and num_key_value_heads={hf.num_kv_heads}: neither divides the other")
-        if hf.intermediate_size % tp:
+        if tp % self.attn_dp_size:
+            problems.append(f"attention dp_size={self.attn_dp_size} does not divide engine tp_size={tp}")
+            raise SyncPlanError("invalid engine layout: " + "; ".join(problems))
+        attn = f"engine tp_size={tp}" if self.attn_tp == tp else f"attention tp = tp_size/dp_size = {self.attn_tp}"
+        if hf.num_attention_heads % self.attn_tp:
+            problems.append(f"{attn} does not divide num_attention_heads={hf.num_attention_heads}")
+        if not hf.is_mla and hf.num_kv_heads % self.attn_tp and self.attn_tp % hf.num_kv_heads:
+            problems.append(f"{attn} and num_key_value_heads={hf.num_kv_heads}: neither divides the other")
+        if hf.intermediate_size % tp and self.attn_dp_size == 1:
             problems.append(f"engine tp_size={tp} does not divide intermediate_size={hf.intermediate_size}")
         if tp % ep:
             problems.append(f"engine ep_size={ep} does not divide tp_size={tp}")
@@ -150,6 +185,7 @@ class Place:
     parts: tuple[str, ...] = ()  # suffixes of all parts of that fused parameter, in order
     when: str | None = None  # "mla", "gqa" or "q_lora": only for such models
     fp8: bool = False  # held as e4m3 + weight_scale_inv by an FP8 engine
+    group: str = "attn"  # the ranks a split is over: attn | dense | tp (the module docstring's table)
 
     def applies(self, name: str, mla: bool, q_lora: bool) -> bool:
         ok = {None: True, "mla": mla, "gqa": not mla, "q_lora": mla and q_lora}[self.when]
@@ -176,12 +212,14 @@ WEIGHT_RULES = (
     Place("experts.{E}.gate_proj.weight", "moe_row", "experts.w13_weight", 0, ("gate_proj", "up_proj"), fp8=True),
     Place("experts.{E}.up_proj.weight", "moe_row", "experts.w13_weight", 1, ("gate_proj", "up_proj"), fp8=True),
     Place("experts.{E}.down_proj.weight", "moe_col", "experts.w2_weight", fp8=True),
-    Place("mlp.gate_proj.weight", "row", "mlp.gate_up_proj.weight", 0, ("gate_proj", "up_proj"), fp8=True),
-    Place("mlp.up_proj.weight", "row", "mlp.gate_up_proj.weight", 1, ("gate_proj", "up_proj"), fp8=True),
-    Place("mlp.down_proj.weight", "col", fp8=True),
-    Place("shared_experts.gate_proj.weight", "row", "shared_experts.gate_up_proj.weight", 0, ("gate_proj", "up_proj"), fp8=True),
-    Place("shared_experts.up_proj.weight", "row", "shared_experts.gate_up_proj.weight", 1, ("gate_proj", "up_proj"), fp8=True),
-    Place("shared_experts.down_proj.weight", "col", fp8=True),
+    Place("mlp.gate_proj.weight", "row", "mlp.gate_up_proj.weight", 0, ("gate_proj", "up_proj"), fp8=True, group="dense"),
+    Place("mlp.up_proj.weight", "row", "mlp.gate_up_proj.weight", 1, ("gate_proj", "up_proj"), fp8=True, group="dense"),
+    Place("mlp.down_proj.weight", "col", fp8=True, group="dense"),
+    Place("shared_experts.gate_proj.weight", "row", "shared_experts.gate_up_proj.weight", 0, ("gate_proj", "up_proj"),
+          fp8=True, group="tp"),
+    Place("shared_experts.up_proj.weight", "row", "shared_experts.gate_up_proj.weight", 1, ("gate_proj", "up_proj"),
+          fp8=True, group="tp"),
+    Place("shared_experts.down_proj.weight", "col", fp8=True, group="tp"),
 )
 SCALE_RULES = tuple(replace(r, suffix=r.suffix + SCALE_SUFFIX, into=r.into and r.into + SCALE_SUFFIX, fp8=False)
                     for r in WEIGHT_RULES if r.fp8)
@@ -253,8 +291,7 @@ def fp8_misfit(name: str, hf, layout: EngineLayout) -> str | None:
 def _block_misfit(name: str, hf, layout: EngineLayout) -> str | None:
     rule = engine_param(name, hf)[1]
     rows, cols = hf_shape(hf, name)
-    moe = rule.split.startswith("moe_")
-    parts = layout.moe_tp if moe else layout.tp_size
+    parts = layout.parts_of(rule, 0)[0]
     if rule.split in ("row", "moe_row") and parts > 1 or rule.parts and rule.part < len(rule.parts) - 1:
         rows //= parts if rule.split in ("row", "moe_row") else 1
         if rows % fp8.BLOCK[0]:
@@ -330,26 +367,26 @@ def place(name: str, t: torch.Tensor, layout: EngineLayout, tp_rank: int, hf) ->
     """The pieces of SGLang engine rank `tp_rank`'s parameters that HF tensor `name` fills (none when
     an expert lives on another EP block)."""
     target, rule = engine_param(name, hf)
-    tp = layout.tp_size
+    parts, index = layout.parts_of(rule, tp_rank)
     if rule.split in ("moe_row", "moe_col"):
         e = expert_of(name)
         experts = layout.experts_of(tp_rank, hf.num_experts)
         if e not in experts:
             return []
-        moe_tp, moe_rank = layout.moe_tp, tp_rank % layout.moe_tp  # SGLang: moe_tp_rank = tp_rank % moe_tp
+        moe_tp, moe_rank = parts, index
         if rule.split == "moe_col":
             src = t.chunk(moe_tp, dim=1)[moe_rank].contiguous() if moe_tp > 1 else t.contiguous()
             return [Piece(target, (e - experts.start) * src.numel(), src)]
         src = t.chunk(moe_tp, dim=0)[moe_rank].contiguous() if moe_tp > 1 else t.contiguous()  # w13[e] = [gate_r; up_r]
         return [Piece(target, ((e - experts.start) * len(rule.parts) + rule.part) * src.numel(), src)]
     if rule.split == "vocab":
-        per = padded_vocab(t.shape[0], tp) // tp
-        return [Piece(target, 0, t[tp_rank * per:(tp_rank + 1) * per].contiguous())]  # may be all padding
+        per = padded_vocab(t.shape[0], parts) // parts
+        return [Piece(target, 0, t[index * per:(index + 1) * per].contiguous())]  # may be all padding
     if rule.split == "kv_head":
-        return [_qkv_piece(name, target, t, rule, tp, tp_rank, hf)]
-    src = t if rule.split == "rep" else t.chunk(tp, dim=0 if rule.split == "row" else 1)[tp_rank]
+        return [_qkv_piece(name, target, t, rule, parts, index, hf)]
+    src = t if rule.split == "rep" else t.chunk(parts, dim=0 if rule.split == "row" else 1)[index]
     src = src.contiguous()
-    return [Piece(target, _rows_before(name, rule, tp, hf) * src[0].numel(), src)]
+    return [Piece(target, _rows_before(name, rule, parts, hf) * src[0].numel(), src)]
 
 
 def _rows_before(name: str, rule: Place, tp: int, hf) -> int:
@@ -482,8 +519,10 @@ class ExpectedDigests:
 def compare_engine(expected: dict[int, dict], actual: dict[int, dict], where: str) -> list[str]:
     """Problems (as lines) between expected digests and an engine's `weight_digests()` per tp rank:
     a parameter the sync filled that differs or is missing, or one the engine has that no synced
-    tensor reached (SGLang ignores names it does not know: such a parameter would stay stale)."""
-    problems = []
+    tensor reached (SGLang ignores names it does not know: such a parameter would stay stale), and a rank
+    that reported digests but was expected nothing (a read-back must not pass by checking no rank)."""
+    problems = [f"{where} tp rank {r}: its digests were read but no synced tensor was expected there (not verified)"
+                for r in sorted(set(actual) - set(expected))]
     for r, want in expected.items():
         have = actual.get(r)
         if have is None:

@@ -140,7 +140,7 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
       cp /tmp/run50/metrics.jsonl "$OUT/run50_metrics.jsonl"; ls /tmp/run50/checkpoints ;;
     full27)  # issue 45: the whole Moonlight (27 layers) on 4 GPUs (nvidia-h200-x4; CONFIG=configs/moonlight_4gpu_h100.yaml
       # on nvidia-h100-x4), one engine layout a call: LAYOUT=tp1 (4 x TP1), tp4 (1 x TP4), tp4ep4 (1 x TP4, EP 4 inside
-      # the engine) or tp4x2nodes (1 x TP4 over two raylets of 2 GPUs on this host, the engine's nnodes=2; each
+      # the engine), tp4dp4ep4 (1 x TP4 with DP attention: each GPU its own requests, whole attention; EP 4) or tp4x2nodes (1 x TP4 over two raylets of 2 GPUs on this host, the engine's nnodes=2; each
       # "node" plans half the host's RAM: HOST_GB where MemTotal starts small); R3=1 with actor.routing_replay=true. JSON (phase seconds, start, memory
       # against the plan, first sync read-back, log-prob gap), console log and engine logs under $OUT/full27_*
       FULL=(rollout.tp_size=1); RUN=()
@@ -148,10 +148,11 @@ plan_for_config(cfg); print('CUDA initialized by the plan:', torch.cuda.is_initi
         tp1) ;;
         tp4) FULL=(rollout.tp_size=4) ;;
         tp4ep4) FULL=(rollout.tp_size=4 rollout.ep_size=4) ;;
+        tp4dp4ep4) FULL=(rollout.tp_size=4 rollout.ep_size=4 rollout.dp_attention=true) ;;
         tp4x2nodes) FULL=(cluster.nnodes=2 cluster.n_gpus_per_node=2 rollout.tp_size=4
                           cluster.host_memory_gb=$(( ${HOST_GB:-$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)} / 2 )))
                     RUN=(python3 scripts/gpu/raylets.py --nodes 2 --gpus-per-node 2 --) ;;
-        *) echo "full27: unknown LAYOUT=$LAYOUT (tp1, tp4, tp4ep4, tp4x2nodes)"; exit 2 ;;
+        *) echo "full27: unknown LAYOUT=$LAYOUT (tp1, tp4, tp4ep4, tp4dp4ep4, tp4x2nodes)"; exit 2 ;;
       esac
       name=full27_${LAYOUT:-tp1}${R3:+_r3}${TAG:-}
       keep_run
@@ -214,9 +215,12 @@ for line in sys.stdin:
         --out "$OUT/first_sync_state${TAG:-}.json" rollout.tp_size="${FS_TP:-2}" model.hf_config.num_hidden_layers="${LAYERS:-4}" \
         memory.offload_train_states=auto "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/first_sync_state${TAG:-}.log" | tail -20 ;;
     hidden_gap)  # issue 45 item 5: engine against trainer, layer by layer, on the same weights and tokens, 27 Moonlight
-      # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU); live routing and R3
+      # layers (the trainer's model on GPU 0, one SGLang engine of TP=1 on the last GPU, or beside it on one GPU);
+      # live routing, R3, and R3 with megatron's bf16 RoPE/SwiGLU (the A/B of the fp32 ones). On one GPU (no disk for a
+      # second copy): EXTRA_OVERRIDES="model.hf_config=null model.hf_path=/tmp/moonlight27_hf" after random_hf27
       timeout "${LIMIT:-590}" python3 benchmarks/engine_bench.py hidden-gap --config "${CONFIG:-configs/moonlight_4gpu.yaml}" \
-        --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay rollout.tp_size=1 rollout.ep_size=1 \
+        --out "$OUT/hidden_gap${TAG:-}.json" --tokens "${TOKENS:-256}" --replay --megatron-elementwise \
+        rollout.tp_size=1 rollout.ep_size=1 \
         "${EXTRA[@]}" 2>&1 | quiet | tee "$OUT/hidden_gap${TAG:-}.log" | tail -75 ;;
     export27)  # issue 45 item 7: the model a `KEEP=1 full27` run trained, exported by the converter's command line, loaded by
       # SGLang as its model (TP 1, the last GPU), its log-probs against the trainer's (that checkpoint, GPU 0), live and R3

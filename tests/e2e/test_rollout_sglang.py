@@ -9,6 +9,8 @@ within the deadline, and no engine process outlives shutdown).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mcore_rl.parallel.groups import LISTEN_PORTS
@@ -63,6 +65,44 @@ def test_tp2_engine_equals_transformers(tp2, models):
     assert sorted(digests) == [0, 1]  # both ranks read back
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert digests[0][qkv][1] == [64, 64] and digests[0][qkv][3:] != digests[1][qkv][3:]  # split over TP
+
+
+def test_a_dp_attention_engine_equals_transformers_and_each_rank_holds_what_the_layout_places(ray_cluster, models):
+    """One TP2 engine with SGLang's DP attention and EP 2 (rollout.dp_attention; the CPU stand-ins of
+    mcore_rl.rollout.sglang_cpu): its two ranks serve their own requests, and the greedy tokens and
+    log-probs are transformers'. Each rank, read back, holds what the sync's layout places there:
+    attention, embeddings, lm_head and the dense MLP whole (the experts aside: SGLang's CPU engine pads
+    this model's at tp 2; tests/e2e/test_sglang_sync.py checks them, and our sync, bit for bit)."""
+    import glob
+
+    from ray.util.placement_group import placement_group
+    from safetensors.torch import load_file
+
+    from mcore_rl.models.config import HFModel
+    from mcore_rl.rollout.group import EngineSlot
+    from mcore_rl.sync.engine_layout import EngineLayout, ExpectedDigests, compare_engine
+
+    hf_model, model_dir = models["deepseek_v3"]
+    pg = placement_group([{"CPU": 1}])
+    ray_cluster.get(pg.ready())
+    layout = EngineLayout(2, 2, 1, 2, attn_dp_size=2)
+    group = start_sglang(R.rollout_cfg("sglang", tp_size=2, ep_size=2, dp_attention=True), model_dir,
+                         [EngineSlot(0, 0, pg, 0, None, owns_pg=True)], layout, 0)
+    try:
+        R.check_against_transformers(group, hf_model)
+        expected = ExpectedDigests(layout, HFModel.from_dir(model_dir), [0, 1])
+        for f in glob.glob(os.path.join(model_dir, "*.safetensors")):
+            expected.add(load_file(f).items())
+        read = group.weight_digests()[0]
+
+        def outside_experts(by_rank):
+            return {r: {p: d for p, d in got.items() if "experts." not in p} for r, got in by_rank.items()}
+
+        assert not compare_engine(outside_experts(expected.digests), outside_experts(read), "dp attention engine")
+        kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
+        assert read[0][kv_b][1] == list(hf_model.state_dict()[kv_b].shape) and read[0][kv_b][3:] == read[1][kv_b][3:]
+    finally:
+        group.shutdown()
 
 
 def _hidden_states(server):

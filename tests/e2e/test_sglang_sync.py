@@ -41,7 +41,10 @@ CASES = {  # name: (family, trainer layout, engine tp, engine ep, transport)
     "qwen3moe_tp2ep2_direct": ("qwen3_moe_one_kv_head", Layout(ep=2), 2, 2, "direct"),
     "glm_tp2_direct": ("glm4_moe", Layout(tp=2), 2, 1, "direct"),
     "qwen2_tp2_direct": ("qwen2", Layout(tp=2), 2, 1, "direct"),
+    # rollout.dp_attention: attention, embeddings, lm_head and the dense MLP whole on each rank
+    "ds_tp2dp2ep2_from_ep2": ("deepseek_v3", Layout(ep=2), 2, 2, "ipc"),
 }
+ATTENTION_DP = {"ds_tp2dp2ep2_from_ep2": 2}  # case: SGLang's dp_size under DP attention (others: 1)
 BUCKET = 48 << 10  # small, so every model needs many buckets
 
 
@@ -241,6 +244,7 @@ def _sglang_model(hf_dir: str, scale: float | None = None):
 
 
 def _case(rank, root, name, fam, trainer, tp, ep, kind):
+    dp = ATTENTION_DP.get(name, 1)
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from sglang.srt.distributed import parallel_state as sps
@@ -259,11 +263,11 @@ def _case(rank, root, name, fam, trainer, tp, ep, kind):
     model = build_model(hf, transformer_config(hf, tp=trainer.tp, ep=trainer.ep, dtype=torch.float32, cpu=True))
     load_model(model, os.path.join(root, fam, "ckpt"))
 
-    sglang_reference.init_sglang_parallel(rank, 2, tp, ep, hf_dir)
+    sglang_reference.init_sglang_parallel(rank, 2, tp, ep, hf_dir, dp)
     synced = _sglang_model(hf_dir)
     colocated = kind in ("ipc", "direct")
     feed = {0: 0, 1: 1} if colocated else single_source(0)
-    plan = SyncPlan.build(hf, trainer, 2, EngineLayout(tp, ep, 1, tp), feed, BUCKET, torch.float32)
+    plan = SyncPlan.build(hf, trainer, 2, EngineLayout(tp, ep, 1, tp, dp), feed, BUCKET, torch.float32)
     plan.check_complete()
     engine = ThreadedEngine(synced, rank, dist.new_group(backend="gloo"), hf_dir)
     transport = _transport(kind, engine, plan, root, hf_dir)
@@ -371,7 +375,8 @@ def test_planner_engine_tensors_are_sglangs(synced, models, case):
     fam, _, tp, ep, _ = CASES[case]
     hf = HFModel.from_dir(str(models / fam / "hf"))
     for rank in (0, 1):
-        planned = {n: list(t.shape) for n, t in engine_tensors(hf, inventory(hf), tp=tp, ep=ep, rank=rank).items()
+        planned = {n: list(t.shape) for n, t in engine_tensors(hf, inventory(hf), tp=tp, ep=ep, rank=rank,
+                                                               attn_dp=ATTENTION_DP.get(case, 1)).items()
                    if t.derived_from is None}
         assert planned == synced[f"{case}.rank{rank}"]["shapes"]
 
@@ -383,6 +388,28 @@ def test_experts_reach_only_their_engine_ranks(synced):
         assert tp_only["experts"] == list(range(E))  # EP=1: every rank owns every expert
         with_ep = synced[f"ds_tp2ep2_from_ep2.rank{rank}"]
         assert with_ep["experts"] == list(range(rank * E // 2, (rank + 1) * E // 2))
+
+
+def test_dp_attention_keeps_attention_embeddings_lm_head_and_dense_mlp_whole_on_each_rank(synced, models):
+    """SGLang's own parameters under DP attention (dp = tp = 2, EP 2), against the same engine without it:
+    attention, embeddings, lm_head and the dense layer's MLP whole on each rank; shared experts still
+    split over the two ranks, routed experts over EP as before (the values: the bit-exact test above)."""
+    from mcore_rl.sync.engine_layout import hf_shape
+
+    hf = HFModel.from_dir(str(models / "deepseek_v3" / "hf"))
+    whole = {"model.layers.1.self_attn.kv_b_proj.weight": [hf_shape(hf, "model.layers.1.self_attn.kv_b_proj.weight")],
+             "model.layers.1.self_attn.o_proj.weight": [hf_shape(hf, "model.layers.1.self_attn.o_proj.weight")],
+             "model.layers.1.self_attn.q_b_proj.weight": [hf_shape(hf, "model.layers.1.self_attn.q_b_proj.weight")],
+             "model.embed_tokens.weight": [hf_shape(hf, "model.embed_tokens.weight")],
+             "lm_head.weight": [hf_shape(hf, "lm_head.weight")],
+             "model.layers.0.mlp.down_proj.weight": [hf_shape(hf, "model.layers.0.mlp.down_proj.weight")]}
+    for rank in (0, 1):
+        dp, tp = synced[f"ds_tp2dp2ep2_from_ep2.rank{rank}"], synced[f"ds_tp2ep2_from_ep2.rank{rank}"]
+        for name, (shape,) in whole.items():
+            assert dp["shapes"][name] == list(shape) != tp["shapes"][name], name
+        for name in ("model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.1.mlp.experts.w13_weight"):
+            assert dp["shapes"][name] == tp["shapes"][name], name
+        assert dp["experts"] == tp["experts"]
 
 
 # ---- plans for layouts that cannot run here -------------------------------------------------

@@ -46,7 +46,8 @@ def test_two_raylets_and_an_engine_over_both(result):
     head, worker = result["head"], result["worker"]
     assert head != worker and result["cluster_nodes"] == sorted([head, worker])
     assert result["placement"]["layout"] == dict(tp_size=scenario.ENGINE_TP, ep_size=scenario.ENGINE_EP,
-                                                 nnodes=2, gpus_per_node=scenario.NODE_GPUS)
+                                                 nnodes=2, gpus_per_node=scenario.NODE_GPUS,
+                                                 attn_dp_size=1)
     assert result["placement"]["engine_nodes"] == [head, worker]
     for e in result["engine_ranks"]:  # node_rank 1's ranks really run on the second raylet
         assert e["node_id"] == (head, worker)[e["node_rank"]], e

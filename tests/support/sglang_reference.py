@@ -36,19 +36,28 @@ def sglang_module(name: str):
     return importlib.import_module(name)
 
 
-def init_sglang_parallel(rank: int, world: int, tp: int, ep: int, model_path: str) -> None:
+def init_sglang_parallel(rank: int, world: int, tp: int, ep: int, model_path: str, dp: int = 1) -> None:
     """SGLang's model-parallel groups on the already initialised gloo world, as its scheduler builds
     them (sglang.srt.distributed.bootstrap): the config published under the "test" role, then the
-    world group and the TP/EP groups at the given widths."""
+    world group and the TP/EP groups at the given widths; `dp` > 1: DP attention over that many ranks
+    with the engine arguments a run gives it (mcore_rl.rollout.sglang.dp_attention_args)."""
     publish = sglang_module("sglang.srt.runtime_context").publish
+    from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
     from sglang.srt.runtime_context import reset_context
     from sglang.srt.server_args import ServerArgs
 
+    from mcore_rl.rollout.sglang import dp_attention_args
+
     reset_context()
-    publish(ServerArgs(model_path=model_path, tp_size=tp, ep_size=ep, device="cpu"), role="test")
+    args = ServerArgs(model_path=model_path, tp_size=tp, ep_size=ep, device="cpu", **dp_attention_args(dp))
+    publish(args, role="test")
     init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo")
-    initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, backend="gloo")
+    initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                              attention_data_parallel_size=dp, backend="gloo")
+    if dp > 1:
+        initialize_dp_attention(args, ModelConfig(model_path, dtype="float32"))
 
 
 def build_model(hf_dir: str):

@@ -38,3 +38,17 @@ def test_run_child_reports_wall_time_and_peak_rss():
     assert r["wall_s"] > 0 and r["peak_rss_gib"] > 0.19
     with pytest.raises(SystemExit, match="exit code 3"):
         harness.run_child([sys.executable, "-c", "import sys; sys.exit(3)"])
+
+
+def test_an_engine_kind_with_dp_attention_is_the_loops_engine_arguments():
+    """engine_bench.py speed --kinds bf16:tp_size=4+ep_size=4+dp_attention=true: the engine rollout.dp_attention
+    starts (mcore_rl.rollout.sglang.dp_attention_args), refused below TP 2."""
+    from benchmarks.engine_bench import parse_kind
+    from mcore_rl.rollout.sglang import dp_attention_args
+
+    assert parse_kind("bf16:tp_size=4+ep_size=4+dp_attention=true") == (
+        "bf16", {"tp_size": 4, "ep_size": 4, **dp_attention_args(4)})
+    assert dp_attention_args(4)["dp_size"] == 4 and dp_attention_args(1) == {}
+    assert parse_kind("fp8:tp_size=4+dp_attention=false") == ("fp8", {"tp_size": 4})
+    with pytest.raises(ValueError, match="dp_attention needs tp_size > 1"):
+        parse_kind("bf16:dp_attention=true")

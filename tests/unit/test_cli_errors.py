@@ -104,6 +104,18 @@ CASES = [
     Case("DeepGEMM on CPU", CONFIG[:3], ("rollout.weight_dtype=fp8", "rollout.fp8_kernels=deep_gemm_moe",
                                          "model.hf_config.moe_intermediate_size=128", "model.hf_config.q_lora_rank=128"),
          "rollout.fp8_kernels=deep_gemm_moe runs on GPUs (Hopper)"),
+    # rollout.dp_attention: SGLang's, over an engine's TP ranks, for the MLA models whose layout under it is checked
+    Case("dp attention at tp 1", CONFIG[:3], ("rollout.dp_attention=true",),
+         "rollout.dp_attention needs rollout.tp_size > 1"),
+    Case("dp attention, embedded", CONFIG[:3], ("rollout.dp_attention=true", "rollout.tp_size=2", "rollout.engine=embedded"),
+         "rollout.dp_attention is SGLang's (enable_dp_attention); rollout.engine is embedded"),
+    Case("dp attention with routing replay", CONFIG[:3], ("rollout.dp_attention=true", "rollout.tp_size=2",
+                                                         "actor.routing_replay=true"),
+         "actor.routing_replay with rollout.dp_attention: the routes SGLang returns under DP attention"),
+    Case("dp attention, no MLA", CONFIG[:3], ("rollout.dp_attention=true", "rollout.tp_size=2",
+                                             "model.hf_config.model_type=qwen3_moe", "model.hf_config.num_experts=4",
+                                             "model.hf_config.num_key_value_heads=2"),
+         "rollout.dp_attention is wired for MLA models (DeepSeek-V3 family), not qwen3_moe"),
     Case("tuned MoE tiles missing", CONFIG[:3], ("rollout.moe_config_dir={d}/no_tiles",),
          "rollout.moe_config_dir={d}/no_tiles holds no configs/ folder"),
     # multi-turn rollouts (mcore_rl.rollout.multiturn)

@@ -478,6 +478,25 @@ def test_the_engine_decodes_no_larger_batch_than_planned():
     assert act - unseeded == 64 * (32 - 12) * V
 
 
+def test_dp_attention_engine_args_are_the_layout_the_sync_places_weights_by():
+    """rollout.dp_attention: SGLang's DP attention over the engine's TP ranks with lm_head and dense MLP
+    per rank (the layout's groups), and the decode batch a rank runs as the config's: SGLang divides
+    max_running_requests over its attention-DP ranks."""
+    from mcore_rl.config.sections import load_config
+    from mcore_rl.rollout import sglang as S
+    from mcore_rl.sync.engine_layout import EngineLayout
+
+    cfg = load_config(TINY_GPU_YAML, ["rollout.cuda_graph_max_bs=16", "rollout.dp_attention=true",
+                                      "rollout.tp_size=2", "cluster.n_gpus_per_node=2", "actor.micro_batch_size=32"])
+    args = S.engine_args(cfg, "/model", EngineLayout(2, 1, 1, 2, attn_dp_size=2), 0, None, 0.5)
+    assert {k: args[k] for k in ("enable_dp_attention", "dp_size", "enable_dp_lm_head", "moe_dense_tp_size",
+                                 "cuda_graph_max_bs", "max_running_requests")} == dict(
+        enable_dp_attention=True, dp_size=2, enable_dp_lm_head=True, moe_dense_tp_size=1, cuda_graph_max_bs=16,
+        max_running_requests=32)
+    plain = S.engine_args(cfg, "/model", EngineLayout(2, 1, 1, 2), 0, None, 0.5)
+    assert "enable_dp_attention" not in plain and plain["max_running_requests"] == 16
+
+
 def test_a_gpu_run_whose_plan_cannot_fit_stops_before_anything_starts(tmp_path):
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", PYTHONWARNINGS="ignore")
     out = tmp_path / "run"

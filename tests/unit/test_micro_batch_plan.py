@@ -118,7 +118,7 @@ def test_auto_offload_keeps_the_states_on_the_gpus_where_they_fit_with_kv_for_th
     plan, _ = plan_for_config(cfg, capacity=H200)
     assert plan.inputs.offload_train_states is False
     assert "trainer states: kept on the GPUs while the engine runs (picked: they fit beside the engine, with KV " \
-           "for the step's 524,288 tokens an engine)" in plan.notes
+           "for the step's 524,288 tokens an engine rank)" in plan.notes
     assert plan.kv_tokens >= 64 * 8192
     for phase in ("sync", "rollout"):
         assert plan.phases[phase]["megatron optimizer"] > 40 * GiB, phase
@@ -127,6 +127,72 @@ def test_auto_offload_keeps_the_states_on_the_gpus_where_they_fit_with_kv_for_th
     assert plan.host.nodes[0]["trainer states, pinned"] == 0
     apply_choice(cfg, plan)
     assert cfg.memory.offload_train_states is False
+
+
+def test_dp_attention_plans_each_ranks_kv_for_its_own_requests_and_whole_attention_weights():
+    """The same 64 x 8K with DP attention in the TP4/EP4 engine (rollout.dp_attention): a rank's KV cache holds
+    only the quarter of the sequences SGLang deals it (plain TP: all 64, MLA's latent replicated), while
+    its weights hold attention, embeddings, lm_head and the dense MLP whole; experts as before."""
+    plain, _ = plan_for_config(cfg_of(*LONG_64), capacity=H200)
+    dp, _ = plan_for_config(cfg_of(*LONG_64, "rollout.dp_attention=true"), capacity=H200)
+    assert dp.inputs.rollout_attn_dp == 4 and plain.inputs.rollout_attn_dp == 1
+    assert "trainer states: kept on the GPUs while the engine runs (picked: they fit beside the engine, with KV " \
+           "for the step's 131,072 tokens an engine rank)" in dp.notes
+    w_plain, w_dp = plain.phases["rollout"]["engine weights"], dp.phases["rollout"]["engine weights"]
+    hf = HFModel.from_dict(config_checks.hf_model_dims(cfg_of().model))
+    from mcore_rl.memory.layout import engine_tensors, inventory
+
+    def numel(tensors, keep):
+        return sum(t.nbytes for n, t in tensors.items() if keep(n) and t.derived_from is None)
+
+    one = engine_tensors(hf, inventory(hf), tp=1, ep=1)  # a TP1 engine: everything whole
+    four = engine_tensors(hf, inventory(hf), tp=4, ep=4)
+    outside = lambda n: ".mlp.experts." not in n and ".shared_experts." not in n  # noqa: E731
+    # the growth is exactly the non-expert weights going from a quarter (plain TP4) to whole
+    assert w_dp - w_plain == numel(one, outside) - numel(four, outside) + (
+        sum(t.nbytes for n, t in one.items() if n.endswith("w_kc_w_vc")) - sum(
+            t.nbytes for n, t in four.items() if n.endswith("w_kc_w_vc")))
+    assert "per rank, each for its own requests (an engine: " in dp.table()
+
+
+def test_the_dp_attention_layout_places_a_tp1_engines_tensors_but_the_experts():
+    """Moonlight at TP4/DP4/EP4 (rollout.dp_attention): every rank holds what a TP1 engine holds, but the
+    routed experts (its EP quarter, whole) and the shared experts (a quarter, split over the TP group as
+    SGLang's DeepseekV2MoE builds them); the read-back's pieces (engine_layout.place) agree."""
+    import torch
+
+    from mcore_rl.memory.layout import engine_tensors, inventory
+    from mcore_rl.sync.engine_layout import EngineLayout, place
+
+    hf = HFModel.from_dict(config_checks.hf_model_dims(cfg_of().model))
+    one = engine_tensors(hf, inventory(hf), tp=1, ep=1)
+    for rank in range(4):
+        dp = engine_tensors(hf, inventory(hf), tp=4, ep=4, attn_dp=4, rank=rank)
+        assert dp.keys() == one.keys()
+        for name, t in dp.items():
+            if name.endswith(("w13_weight", "w2_weight")):
+                assert t.shape == (one[name].shape[0] // 4, *one[name].shape[1:]), name
+            elif ".shared_experts." in name:
+                dim = 1 if name.endswith("down_proj.weight") else 0
+                assert t.shape[dim] * 4 == one[name].shape[dim], name
+            else:
+                assert t.shape == one[name].shape, name
+    layout = EngineLayout(4, 4, 1, 4, attn_dp_size=4)
+    layout.validate(hf)
+    for name in ("model.layers.3.self_attn.kv_b_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+                 "lm_head.weight", "model.layers.3.mlp.shared_experts.down_proj.weight"):
+        t = torch.arange(torch.Size(hf_shape_of(hf, name)).numel(), dtype=torch.float32).view(hf_shape_of(hf, name))
+        pieces = [place(name, t, layout, r, hf) for r in range(4)]
+        if ".shared_experts." in name:  # split over the four ranks on its columns
+            assert torch.equal(torch.cat([p[0].src for p in pieces], 1), t)
+        else:
+            assert all(torch.equal(p[0].src, t) for p in pieces), name
+
+
+def hf_shape_of(hf, name):
+    from mcore_rl.sync.engine_layout import hf_shape
+
+    return hf_shape(hf, name)
 
 
 def test_auto_offload_moves_the_states_where_kept_ones_leave_too_little_kv():

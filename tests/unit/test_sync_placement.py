@@ -86,3 +86,23 @@ def test_colocated_engines_take_the_gpus_of_the_trainers_bundles_before_the_rank
         _check_bundles(bundles, [*where[:1], {**where[1], "gpu_ids": ["2"]}, *where[2:]])
     with pytest.raises(SyncPlanError, match="needs trainer ranks \\[0, 1\\] on one node"):
         _colocated_slots(placement, [{"node": "m" * 8, "gpu_ids": ["3"]}, *bundles[1:]], "gpu", pg="pg")
+
+
+def test_a_read_back_names_a_rank_that_was_expected_nothing():
+    """The read-back checks every rank the engine reported: a rank no synced tensor was expected at
+    (a feed that missed it) is a problem, not a pass by default."""
+    import torch
+
+    from mcore_rl.rollout.sglang_plugin import weight_digests
+    from mcore_rl.sync.engine_layout import compare_engine
+
+    layer = torch.nn.Linear(4, 3)
+    have = weight_digests(layer)  # what an engine rank reports: [dtype, shape, bytes, sum, weighted sum]
+    want = {name: (d[3] & (2**64 - 1), d[4] & (2**64 - 1)) for name, d in have.items()}
+    assert compare_engine({0: want, 1: want}, {0: have, 1: have}, "engine 0") == []
+    assert compare_engine({0: want}, {0: have, 1: have}, "engine 0") == [
+        "engine 0 tp rank 1: its digests were read but no synced tensor was expected there (not verified)"]
+    with torch.no_grad():
+        layer.bias[0] += 1
+    assert compare_engine({0: want}, {0: weight_digests(layer)}, "engine 0") == [
+        "engine 0 tp rank 0: bias differs from the trainer's weights"]
