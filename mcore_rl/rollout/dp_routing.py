@@ -5,6 +5,12 @@ robin, so the n samples of one prompt land on every rank and each rank prefills 
 a conversation's next turn lands on a rank that holds none of its KV. Here a prompt's requests (or,
 with `Request.group` set, a group's: a multi-turn conversation's samples and their later turns)
 go to one rank, the groups balanced over the ranks by tokens; a group seen before keeps its rank.
+
+On its rank a prompt's samples still arrive together: those in one prefill batch each compute it, and
+under DP attention SGLang gives a rank's prefill batch chunked_prefill_size / dp_size tokens (2K of a 4K
+prompt at our 8K, DP 4), so the others find only its first chunk cached. A prompt asked more than once
+is therefore prefilled alone first (`repeated_prompts`, SGLang's max_new_tokens=0, as SGLang's own
+parallel sampling does), and its samples then find all of it cached.
 """
 
 from __future__ import annotations
@@ -68,3 +74,9 @@ def by_rank(ranks_of: Sequence[int]) -> dict[int, list[int]]:
     for i, d in enumerate(ranks_of):
         out.setdefault(d, []).append(i)
     return out
+
+
+def repeated_prompts(requests: Sequence[Request]) -> list[list[int]]:
+    """The prompts more than one of `requests` has, each once, in request order."""
+    counts = collections.Counter(r.prompt for r in requests)
+    return [list(p) for p, k in counts.items() if k > 1]

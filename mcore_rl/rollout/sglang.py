@@ -341,7 +341,8 @@ class SGLangServer:
 
     def outputs(self, requests: list[Request]) -> list[dict]:
         """SGLang's answer to each request, in order. Under DP attention each group of requests goes to
-        one rank (mcore_rl.rollout.dp_routing): a call per rank, all at once on the engine's event loop."""
+        one rank (mcore_rl.rollout.dp_routing): a call per rank, all at once on the engine's event loop,
+        a prompt asked more than once prefilled first (dp_routing.repeated_prompts)."""
         if not requests:
             return []
         routes = {"return_routed_experts": True} if self.route_shape else {}
@@ -354,9 +355,15 @@ class SGLangServer:
             return self.engine.generate(**batch(range(len(requests))))
         per_rank = dp_routing.by_rank(self.affinity.assign(requests))
 
+        async def rank_call(rank: int, idx: list[int]):
+            route = {self.rank_arg: rank}
+            repeated = dp_routing.repeated_prompts([requests[i] for i in idx])
+            if repeated:
+                await self.engine.async_generate(input_ids=repeated, sampling_params={"max_new_tokens": 0}, **route)
+            return await self.engine.async_generate(**batch(idx), **route)
+
         async def every_rank():
-            return await asyncio.gather(*(self.engine.async_generate(**batch(idx), **{self.rank_arg: rank})
-                                          for rank, idx in per_rank.items()))
+            return await asyncio.gather(*(rank_call(rank, idx) for rank, idx in per_rank.items()))
 
         outs: list = [None] * len(requests)
         for idx, got in zip(per_rank.values(), self.engine.loop.run_until_complete(every_rank())):

@@ -85,13 +85,13 @@ def test_a_dp_attention_engine_equals_transformers_and_each_rank_holds_what_the_
     pg = placement_group([{"CPU": 1}])
     ray_cluster.get(pg.ready())
     layout = EngineLayout(2, 2, 1, 2, attn_dp_size=2)
-    # a prefill batch of little more than one of check_dp_affinity's 48-token prompts, as
-    # rollout.chunked_prefill_size's default (8192) is to 4K-token prompts; the other checks' are far shorter
+    # a rank's prefill batch (SGLang's chunked_prefill_size / dp_size) 32 tokens, less than check_dp_affinity's
+    # 48-token prompts, as 2K of our default 8192 at DP 4 is to 4K-token prompts; the other checks' are shorter
     cfg = R.rollout_cfg("sglang", tp_size=2, ep_size=2, dp_attention=True, chunked_prefill_size=64)
     group = start_sglang(cfg, model_dir, [EngineSlot(0, 0, pg, 0, None, owns_pg=True)], layout, 0)
     try:
         R.check_against_transformers(group, hf_model)
-        check_dp_affinity(group)
+        check_dp_affinity(group, hf_model)
         expected = ExpectedDigests(layout, HFModel.from_dir(model_dir), [0, 1])
         for f in glob.glob(os.path.join(model_dir, "*.safetensors")):
             expected.add(load_file(f).items())
@@ -117,13 +117,13 @@ def _served(server, requests, routed: bool = True):
     return [(o["meta_info"]["dp_rank"], o["meta_info"]["cached_tokens"], list(o["output_ids"])) for o in outs]
 
 
-def check_dp_affinity(group):
-    """On a DP-attention engine (2 ranks, a prefill batch of 64 tokens): a prompt's samples go to one rank,
-    the prompts to both, and the samples after the first prefill batch find the prompt in that rank's
-    prefix cache (SGLang's cached_tokens); a conversation's next turn goes to the rank of its first, whose
-    cache holds its prompt, even where a fresh placement would swap the ranks. SGLang's own dispatch
-    (round robin) spreads each group over both ranks, and each rank prefills the prompt; the greedy tokens
-    are the same either way."""
+def check_dp_affinity(group, hf_model):
+    """On a DP-attention engine (2 ranks, a prefill batch of 32 tokens a rank): a prompt's samples go to one
+    rank, the prompts to both, and every sample finds the prompt in that rank's prefix cache (SGLang's
+    cached_tokens); a conversation's next turn goes to the rank of its first, whose cache holds its prompt,
+    even where a fresh placement would swap the ranks. SGLang's own dispatch (round robin) spreads each
+    group over both ranks, each rank prefills the prompt, and samples in one prefill batch find only its
+    first chunk; the greedy tokens are transformers' either way."""
     from mcore_rl.rollout.base import Request, SamplingParams, flatten, new_group
     from mcore_rl.rollout.dp_routing import assign_ranks
 
@@ -135,10 +135,9 @@ def check_dp_affinity(group):
     samples = served(flatten([a, b], greedy.with_(n=4)))  # GRPO's shape: prompt-major, no group
     ranks = [d for d, _, _ in samples]
     assert ranks == [0] * 4 + [1] * 4, ranks  # by tokens: a, the heavier, to rank 0 (SGLang's own numbering)
-    chunk = 64 // 2  # a rank's prefill batch: SGLang divides chunked_prefill_size by dp_size
-    for got in (samples[:4], samples[4:]):  # one sample prefills the prompt, the others find its first chunk
-        cached = sorted(k for _, k, _ in got)
-        assert cached[0] == 0 and min(cached[1:]) >= chunk, samples
+    for p, got in ((a, samples[:4]), (b, samples[4:])):  # prefilled once, first: every sample finds it cached
+        assert [k for _, k, _ in got] == [len(p) - 1] * 4, samples  # (SGLang computes a prompt's last token)
+        assert all(o == R.transformers_greedy(hf_model, p, 2)[0] for _, _, o in got), samples
     c = list(range(110, 150))
     spread = served(flatten([c], greedy.with_(n=4)), routed=False)
     assert {d for d, _, _ in spread} == {0, 1} and {d for d, k, _ in spread if k == 0} == {0, 1}, spread

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 from mcore_rl.rollout.base import Request, SamplingParams, flatten, new_group
-from mcore_rl.rollout.dp_routing import RankAffinity, assign_ranks, by_rank
+from mcore_rl.rollout.dp_routing import RankAffinity, assign_ranks, by_rank, repeated_prompts
 
 
 def prompt(length: int, first: int) -> list[int]:
@@ -97,3 +97,9 @@ def test_the_memory_holds_the_latest_groups_only():
 def test_by_rank_keeps_request_order_within_a_rank():
     assert by_rank([1, 0, 1, 1, 0]) == {1: [0, 2, 3], 0: [1, 4]}
     assert by_rank([]) == {}
+
+
+def test_repeated_prompts_are_each_prefilled_once():
+    requests = flatten([[1, 2], [3], [1, 2]], SamplingParams(n=2)) + [Request((4, 5)), Request((1, 2), group=3)]
+    assert repeated_prompts(requests) == [[1, 2], [3]]
+    assert repeated_prompts(flatten([[1], [2]], SamplingParams(n=1))) == []
