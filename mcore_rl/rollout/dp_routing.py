@@ -4,7 +4,8 @@ Each rank keeps its own KV and prefix (radix) cache. SGLang's own dispatch deals
 robin, so the n samples of one prompt land on every rank and each rank prefills the prompt again;
 a conversation's next turn lands on a rank that holds none of its KV. Here a prompt's requests (or,
 with `Request.group` set, a group's: a multi-turn conversation's samples and their later turns)
-go to one rank, the groups balanced over the ranks by tokens; a group seen before keeps its rank.
+go to one rank, the groups balanced over the ranks by requests, then tokens; a group seen before
+keeps its rank.
 
 On its rank a prompt's samples still arrive together: those in one prefill batch each compute it, and
 under DP attention SGLang gives a rank's prefill batch chunked_prefill_size / dp_size tokens (2K of a 4K
@@ -30,22 +31,26 @@ def group_key(r: Request) -> Hashable:
 
 def assign_ranks(requests: Sequence[Request], ranks: int, known: Mapping[Hashable, int]) -> list[int]:
     """The rank of each request: a group's requests one rank, its `known` one if it has one (a
-    conversation's later turn); the others, heaviest first, each on the rank with the fewest tokens
-    so far (ties: the lowest rank). A group weighs its longest prompt (prefilled once: its other
-    requests find it in the rank's cache) plus each request's max_new_tokens (decoded apiece)."""
+    conversation's later turn); the other groups, largest first, each on the rank with the fewest
+    requests so far, of those the one with the fewest tokens (ties: the lowest rank). Requests first:
+    a rank's decode batch is capped on its own (SGLang's max_running_requests is per rank), and one
+    past it waits for a second wave; then the tokens they attend to (prompt and max_new_tokens each)."""
     members: dict[Hashable, list[int]] = {}
     for i, r in enumerate(requests):
         members.setdefault(group_key(r), []).append(i)
-    weight = {k: max(len(requests[i].prompt) for i in idx) + sum(requests[i].params.max_new_tokens for i in idx)
-              for k, idx in members.items()}
-    load, rank_of = [0] * ranks, {}
+    size = {k: (len(idx), sum(len(requests[i].prompt) + requests[i].params.max_new_tokens for i in idx))
+            for k, idx in members.items()}
+    load, rank_of = [(0, 0)] * ranks, {}
+
+    def place(k, d):
+        rank_of[k] = d
+        load[d] = (load[d][0] + size[k][0], load[d][1] + size[k][1])
+
     for k in members:
         if k in known and 0 <= known[k] < ranks:
-            rank_of[k] = known[k]
-            load[known[k]] += weight[k]
-    for k in sorted((k for k in members if k not in rank_of), key=lambda k: -weight[k]):  # stable: first seen first
-        rank_of[k] = min(range(ranks), key=lambda d: load[d])
-        load[rank_of[k]] += weight[k]
+            place(k, known[k])
+    for k in sorted((k for k in members if k not in rank_of), key=lambda k: size[k], reverse=True):
+        place(k, min(range(ranks), key=lambda d: load[d]))
     return [rank_of[group_key(r)] for r in requests]
 
 

@@ -134,7 +134,7 @@ def check_dp_affinity(group, hf_model):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
     samples = served(flatten([a, b], greedy.with_(n=4)))  # GRPO's shape: prompt-major, no group
     ranks = [d for d, _, _ in samples]
-    assert ranks == [0] * 4 + [1] * 4, ranks  # by tokens: a, the heavier, to rank 0 (SGLang's own numbering)
+    assert ranks == [0] * 4 + [1] * 4, ranks  # a, the heavier, to rank 0 (SGLang's own numbering)
     for p, got in ((a, samples[:4]), (b, samples[4:])):  # prefilled once, first: every sample finds it cached
         assert [k for _, k, _ in got] == [len(p) - 1] * 4, samples  # (SGLang computes a prompt's last token)
         assert all(o == R.transformers_greedy(hf_model, p, 2)[0] for _, _, o in got), samples

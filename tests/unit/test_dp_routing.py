@@ -1,5 +1,5 @@
 """Which attention-DP rank serves each request (mcore_rl.rollout.dp_routing): a prompt's samples, or a
-group's requests, on one rank; groups balanced by tokens; a group's later requests on its rank. What
+group's requests, on one rank; groups balanced by requests, then tokens; a group's later requests on its rank. What
 SGLang's engine does with the placement (one rank's prefix cache serving a group) is proven on its real
 CPU engine in tests/e2e/test_rollout_sglang.py."""
 
@@ -15,24 +15,22 @@ def prompt(length: int, first: int) -> list[int]:
     return list(range(first, first + length))
 
 
-def loads(requests, ranks_of, ranks: int) -> list[int]:
-    """Tokens per rank as assign_ranks weighs them: a group's longest prompt once, every request's new tokens."""
-    out, seen = [0] * ranks, set()
+def loads(requests, ranks_of, ranks: int) -> list[tuple[int, int]]:
+    """(requests, tokens) per rank, tokens as each request attends to them: its prompt and max_new_tokens."""
+    out = [(0, 0)] * ranks
     for r, d in zip(requests, ranks_of):
-        if r.prompt not in seen:
-            seen.add(r.prompt)
-            out[d] += len(r.prompt)
-        out[d] += r.params.max_new_tokens
+        out[d] = (out[d][0] + 1, out[d][1] + len(r.prompt) + r.params.max_new_tokens)
     return out
 
 
-def best_makespan(weights: list[int], ranks: int) -> int:
-    """The least possible largest load, by trying every placement (small cases only)."""
+def best_makespan(weights: list[int], ranks: int, per_rank: int) -> int:
+    """The least possible largest load with `per_rank` groups on every rank, by trying every placement."""
     return min(max(sum(w for w, d in zip(weights, place) if d == k) for k in range(ranks))
-               for place in itertools.product(range(ranks), repeat=len(weights)))
+               for place in itertools.product(range(ranks), repeat=len(weights))
+               if all(place.count(k) == per_rank for k in range(ranks)))
 
 
-def test_a_prompts_samples_share_a_rank_and_prompts_balance_by_tokens():
+def test_a_prompts_samples_share_a_rank_and_prompts_balance_by_requests_then_tokens():
     """The target shape in small: 8 prompts x 8 samples over 4 ranks (prompt-major, as flatten makes them)."""
     lengths = [4096, 512, 3000, 3900, 800, 2048, 1500, 4000]
     prompts = [prompt(n, 1000 * k) for k, n in enumerate(lengths)]
@@ -43,11 +41,20 @@ def test_a_prompts_samples_share_a_rank_and_prompts_balance_by_tokens():
     # SGLang's own round robin puts every prompt on every rank: each prefilled 4 times
     assert all(len({i % 4 for i in range(8 * k, 8 * k + 8)}) == 4 for k in range(8))
     got = loads(requests, ranks_of, 4)
-    weights = [n + 8 * 256 for n in lengths]
-    assert sum(got) == sum(weights)
-    # greedy, heaviest first: within 4/3 of the best placement (Graham's bound), here exactly it
-    assert max(got) == best_makespan(weights, 4), (got, weights)
-    assert sorted(set(ranks_of)) == [0, 1, 2, 3]
+    assert [n for n, _ in got] == [16] * 4  # every rank's decode batch a quarter of the requests
+    weights = [8 * (n + 256) for n in lengths]
+    assert sum(t for _, t in got) == sum(weights)
+    # largest first, onto the lightest rank: here the best of the placements of two prompts a rank
+    assert max(t for _, t in got) == best_makespan(weights, 4, per_rank=2), (got, weights)
+
+
+def test_requests_count_before_tokens():
+    """Three long prompts and five short ones over 4 ranks: by tokens alone the short ones would all share
+    one rank, whose 40 requests would decode in two waves where each rank runs 16."""
+    lengths = [6000, 6000, 6000, 500, 500, 500, 500, 500]
+    requests = flatten([prompt(n, 10_000 * k) for k, n in enumerate(lengths)], SamplingParams(n=8, max_new_tokens=256))
+    got = loads(requests, assign_ranks(requests, 4, {}), 4)
+    assert [n for n, _ in got] == [16] * 4, got
 
 
 def test_identical_prompts_of_different_prompt_indices_are_one_group_and_one_rank():
@@ -61,7 +68,7 @@ def test_known_groups_keep_their_rank_and_new_ones_fill_around_them():
     new = [Request(tuple(prompt(200, 5000 + 1000 * k)), SamplingParams(max_new_tokens=10), group=k) for k in range(3)]
     ranks_of = assign_ranks(long_known + new, 2, {7: 0})
     assert ranks_of[:3] == [0, 0, 0]  # kept, although rank 1 is empty
-    assert ranks_of[3:] == [1, 1, 1]  # 1030 tokens on rank 0 already: the three new (210 each) go to rank 1
+    assert ranks_of[3:] == [1, 1, 1]  # 3 requests on rank 0 already: the three new (one each) go to rank 1
     # a remembered rank beyond this engine's ranks is no placement: placed afresh
     assert assign_ranks(long_known, 2, {7: 5}) == [0, 0, 0]
 
