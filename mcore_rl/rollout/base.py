@@ -13,6 +13,7 @@ around training; the embedded engine runs on the trainer's own shards and needs 
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
@@ -71,6 +72,15 @@ class Request:
 
     prompt: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)  # n == 1, seed already per completion
+    # requests of one group share a prefix across calls (a prompt's multi-turn conversations, all their
+    # turns; `new_group`): an engine with several prefix caches serves a group from one
+    # (mcore_rl.rollout.dp_routing). None: the group is the requests of this call with the same prompt
+    group: int | None = None
+
+
+def new_group() -> int:
+    """A Request.group id no other group has (random 64 bits: the engines may be driven from several processes)."""
+    return uuid.uuid4().int >> 64
 
 
 def flatten(prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Request]:

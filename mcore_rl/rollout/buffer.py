@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from mcore_rl.rollout.base import Completion, Request, SamplingParams
+from mcore_rl.rollout.base import Completion, Request, SamplingParams, new_group
 
 PIECE_SEED_STRIDE = 1_000_003  # a resubmitted piece samples with seed + stride * tokens so far
 
@@ -28,6 +28,7 @@ class Sample:
     prompt_index: int
     prompt: list[int]
     seed: int | None
+    group: int | None = None  # Request.group of its pieces: one for a prompt's samples (base.new_group)
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per token: the weights' version that sampled it
@@ -39,7 +40,7 @@ class Sample:
         left = max_len - len(self.tokens)
         seed = None if self.seed is None else self.seed + PIECE_SEED_STRIDE * len(self.tokens)
         return Request(tuple(self.prompt + self.tokens),
-                       params.with_(n=1, max_new_tokens=min(segment, left) if segment else left, seed=seed))
+                       params.with_(n=1, max_new_tokens=min(segment, left) if segment else left, seed=seed), self.group)
 
     def extend(self, piece: Completion, version: int, max_len: int) -> None:
         self.tokens += piece.token_ids
@@ -148,7 +149,8 @@ class RolloutWorker:
             self.next_prompt = None
 
     def _start(self, key: tuple, i: int) -> None:
-        self.in_flight[key] = [Sample(i, list(self.prompt_tokens(i)), seed) for seed in self._group_seeds()]
+        group = new_group()
+        self.in_flight[key] = [Sample(i, list(self.prompt_tokens(i)), seed, group) for seed in self._group_seeds()]
 
     def _group_seeds(self) -> list[int | None]:
         """The seeds of the next group's responses (one per params.n)."""

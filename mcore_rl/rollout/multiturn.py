@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
-from mcore_rl.rollout.base import Completion, Request, SamplingParams
+from mcore_rl.rollout.base import Completion, Request, SamplingParams, new_group
 # a request continuing a conversation samples with seed + stride * tokens so far, as a partial rollout's piece
 from mcore_rl.rollout.buffer import PIECE_SEED_STRIDE, RolloutWorker
 from mcore_rl.rollout.chat import is_message
@@ -109,6 +109,7 @@ class Conversation:
     prompt_index: int
     prompt: list[int]
     seed: int | None
+    group: int | None = None  # Request.group of its requests: one for a prompt's conversations (base.new_group)
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)  # 0 on environment tokens
     loss_mask: list[int] = field(default_factory=list)  # 1: the model sampled it
@@ -190,7 +191,8 @@ class TurnContext:
             seed = None if conv.seed is None else conv.seed + PIECE_SEED_STRIDE * len(conv.tokens)
             request = Request(tuple(conv.prompt + conv.tokens),
                               self.params.with_(n=1, seed=seed, stop_token_ids=stop,
-                                                max_new_tokens=min(left, s.segment) if s.segment else left))
+                                                max_new_tokens=min(left, s.segment) if s.segment else left),
+                              conv.group)
             piece, version = await self.pool.submit(conv, request)
             conv.add_model(piece, version)
             conv.requests += 1
@@ -430,9 +432,11 @@ def is_multiturn(cfg) -> bool:
 
 
 def new_conversations(source, idx: list[int], params: SamplingParams) -> list[Conversation]:
-    """One conversation per entry of idx (prompt indices in runs of params.n), seeded as flatten() seeds."""
-    return [Conversation(i, list(source.prompts[i]), None if params.seed is None else params.seed + k)
-            for k, i in enumerate(idx)]
+    """One conversation per entry of idx (prompt indices in runs of params.n), seeded as flatten() seeds;
+    a run is a group (Request.group)."""
+    groups = [new_group() for _ in range(0, len(idx), params.n)]
+    return [Conversation(i, list(source.prompts[i]), None if params.seed is None else params.seed + k,
+                         groups[k // params.n]) for k, i in enumerate(idx)]
 
 
 def run(engine, fn, ctx_args: dict, convs: list[Conversation], version: int = 0) -> dict:
@@ -571,7 +575,8 @@ class ConversationWorker(RolloutWorker):
                          engine_clock, wait_clock, max_live)
 
     def _start(self, key: tuple, i: int) -> None:
-        convs = [Conversation(i, list(self.prompt_tokens(i)), seed) for seed in self._group_seeds()]
+        group = new_group()
+        convs = [Conversation(i, list(self.prompt_tokens(i)), seed, group) for seed in self._group_seeds()]
         self.key_of.update((id(c), key) for c in convs)
         self.in_flight[key] = convs
         self.pool.start(self.fn, self.ctx, convs)

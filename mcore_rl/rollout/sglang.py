@@ -10,7 +10,9 @@ engine process (weight digests for verifying a sync, the CPU MLA handler).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 from mcore_rl.config import checks as config_checks
 from mcore_rl.parallel.groups import free_port
-from mcore_rl.rollout import engine_logs, engine_start, jit_cache, model_files
+from mcore_rl.rollout import dp_routing, engine_logs, engine_start, jit_cache, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
 from mcore_rl.rollout.spawn import children_forked, children_skip_main
@@ -160,8 +162,9 @@ def own_args(cfg, model_dir: str, layout: EngineLayout, node_rank: int, dist_ini
 def dp_attention_args(dp: int) -> dict:
     """SGLang's arguments for DP attention over `dp` ranks (none for 1): attention, embeddings, lm_head
     (enable_dp_lm_head) and the dense MLP (moe_dense_tp_size=1) whole per rank when dp = tp_size, the
-    layout the sync places weights by (mcore_rl.sync.engine_layout's groups). SGLang's DP controller
-    deals an engine's requests out to its ranks round robin (load_balance_method auto, 0.5.17-0.5.20)."""
+    layout the sync places weights by (mcore_rl.sync.engine_layout's groups). SGLang's DP controller would
+    deal an engine's requests out to its ranks round robin (load_balance_method auto, 0.5.17-0.5.20);
+    SGLangServer routes each group of them to one rank instead (mcore_rl.rollout.dp_routing)."""
     return dict(enable_dp_attention=True, dp_size=dp, enable_dp_lm_head=True, moe_dense_tp_size=1) if dp > 1 else {}
 
 
@@ -192,8 +195,6 @@ ARG_ALIASES = {"cuda_graph_max_bs": ("cuda_graph_max_bs_decode",)}
 
 def server_arg_names() -> set[str]:
     """The engine arguments this SGLang's ServerArgs takes (a dataclass before 0.5.20, a msgspec struct after)."""
-    import inspect
-
     from sglang.srt.server_args import ServerArgs
 
     return set(inspect.signature(ServerArgs).parameters)
@@ -311,6 +312,11 @@ class SGLangServer:
             self.engine = self.engine_module.Engine(**engine_args)
         engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
         self.start_seconds = time.perf_counter() - t0
+        # DP attention: a group of requests to one rank, its prefix cache's (dp_routing), by SGLang's argument
+        # for the rank (its older name: data_parallel_rank)
+        self.affinity = dp_routing.RankAffinity(self.rpc_peers) if self.rpc_peers > 1 else None
+        known = inspect.signature(self.engine.async_generate).parameters
+        self.rank_arg = "routed_dp_rank" if "routed_dp_rank" in known else "data_parallel_rank"
         self.route_shape = None  # (layers, top-k) of the routed experts it returns
         if engine_args.get("enable_return_routed_experts"):
             with open(os.path.join(engine_args["model_path"], "config.json")) as f:
@@ -320,14 +326,8 @@ class SGLangServer:
 
     # ---- generation ------------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> list[Completion]:
-        if not requests:
-            return []
-        routes = {"return_routed_experts": True} if self.route_shape else {}
-        outs = self.engine.generate(input_ids=[list(r.prompt) for r in requests],
-                                    sampling_params=[sampling_dict(r) for r in requests], return_logprob=True,
-                                    **routes)
         done = []
-        for r, o in zip(requests, outs):
+        for r, o in zip(requests, self.outputs(requests), strict=True):
             meta = o["meta_info"]
             reason = meta["finish_reason"]["type"] if meta.get("finish_reason") else "length"
             experts = None
@@ -338,6 +338,38 @@ class SGLangServer:
                                    "stop" if reason == "stop" else "length", experts,
                                    cached_tokens=meta.get("cached_tokens")))
         return done
+
+    def outputs(self, requests: list[Request]) -> list[dict]:
+        """SGLang's answer to each request, in order. Under DP attention each group of requests goes to
+        one rank (mcore_rl.rollout.dp_routing): a call per rank, all at once on the engine's event loop,
+        a prompt asked more than once prefilled first (dp_routing.repeated_prompts)."""
+        if not requests:
+            return []
+        routes = {"return_routed_experts": True} if self.route_shape else {}
+
+        def batch(idx) -> dict:
+            return dict(input_ids=[list(requests[i].prompt) for i in idx],
+                        sampling_params=[sampling_dict(requests[i]) for i in idx], return_logprob=True, **routes)
+
+        if self.affinity is None:
+            return self.engine.generate(**batch(range(len(requests))))
+        per_rank = dp_routing.by_rank(self.affinity.assign(requests))
+
+        async def rank_call(rank: int, idx: list[int]):
+            route = {self.rank_arg: rank}
+            repeated = dp_routing.repeated_prompts([requests[i] for i in idx])
+            if repeated:
+                await self.engine.async_generate(input_ids=repeated, sampling_params={"max_new_tokens": 0}, **route)
+            return await self.engine.async_generate(**batch(idx), **route)
+
+        async def every_rank():
+            return await asyncio.gather(*(rank_call(rank, idx) for rank, idx in per_rank.items()))
+
+        outs: list = [None] * len(requests)
+        for idx, got in zip(per_rank.values(), self.engine.loop.run_until_complete(every_rank())):
+            for i, o in zip(idx, got, strict=True):
+                outs[i] = o
+        return outs
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """The log-prob of each token of each sequence after its prefix (untempered): len - 1 values."""

@@ -69,8 +69,9 @@ def test_tp2_engine_equals_transformers(tp2, models):
 
 def test_a_dp_attention_engine_equals_transformers_and_each_rank_holds_what_the_layout_places(ray_cluster, models):
     """One TP2 engine with SGLang's DP attention and EP 2 (rollout.dp_attention; the CPU stand-ins of
-    mcore_rl.rollout.sglang_cpu): its two ranks serve their own requests, and the greedy tokens and
-    log-probs are transformers'. Each rank, read back, holds what the sync's layout places there:
+    mcore_rl.rollout.sglang_cpu): its two ranks serve their own requests, routed a prompt's samples or a
+    conversation's turns to one rank (check_dp_affinity), and the greedy tokens and log-probs are
+    transformers'. Each rank, read back, holds what the sync's layout places there:
     attention, embeddings, lm_head and the dense MLP whole (the experts aside: SGLang's CPU engine pads
     this model's at tp 2; tests/e2e/test_sglang_sync.py checks them, and our sync, bit for bit)."""
     import glob
@@ -86,10 +87,13 @@ def test_a_dp_attention_engine_equals_transformers_and_each_rank_holds_what_the_
     pg = placement_group([{"CPU": 1}])
     ray_cluster.get(pg.ready())
     layout = EngineLayout(2, 2, 1, 2, attn_dp_size=2)
-    group = start_sglang(R.rollout_cfg("sglang", tp_size=2, ep_size=2, dp_attention=True), model_dir,
-                         [EngineSlot(0, 0, pg, 0, None, owns_pg=True)], layout, 0)
+    # a rank's prefill batch (SGLang's chunked_prefill_size / dp_size) 32 tokens, less than check_dp_affinity's
+    # 48-token prompts, as 2K of our default 8192 at DP 4 is to 4K-token prompts; the other checks' are shorter
+    cfg = R.rollout_cfg("sglang", tp_size=2, ep_size=2, dp_attention=True, chunked_prefill_size=64)
+    group = start_sglang(cfg, model_dir, [EngineSlot(0, 0, pg, 0, None, owns_pg=True)], layout, 0)
     try:
         R.check_against_transformers(group, hf_model)
+        check_dp_affinity(group, hf_model)
         expected = ExpectedDigests(layout, HFModel.from_dir(model_dir), [0, 1])
         for f in glob.glob(os.path.join(model_dir, "*.safetensors")):
             expected.add(load_file(f).items())
@@ -103,6 +107,59 @@ def test_a_dp_attention_engine_equals_transformers_and_each_rank_holds_what_the_
         assert read[0][kv_b][1] == list(hf_model.state_dict()[kv_b].shape) and read[0][kv_b][3:] == read[1][kv_b][3:]
     finally:
         group.shutdown()
+
+
+def _served(server, requests, routed: bool = True):
+    """Run in an engine actor: each request's (attention-DP rank, cached prompt tokens, output ids) as
+    SGLang's meta_info reports them; routed by mcore_rl.rollout.dp_routing, or else by SGLang's own dispatch."""
+    from mcore_rl.rollout.sglang import sampling_dict
+
+    outs = server.outputs(requests) if routed else server.engine.generate(
+        input_ids=[list(r.prompt) for r in requests], sampling_params=[sampling_dict(r) for r in requests])
+    return [(o["meta_info"]["dp_rank"], o["meta_info"]["cached_tokens"], list(o["output_ids"])) for o in outs]
+
+
+def check_dp_affinity(group, hf_model):
+    """On a DP-attention engine (2 ranks, a prefill batch of 32 tokens a rank): a prompt's samples go to one
+    rank, the prompts to both, and every sample finds the prompt in that rank's prefix cache (SGLang's
+    cached_tokens); a conversation's next turn goes to the rank of its first, whose cache holds its prompt,
+    even where a fresh placement would swap the ranks. SGLang's own dispatch (round robin) spreads each
+    group over both ranks, each rank prefills the prompt, and samples in one prefill batch find only its
+    first chunk; the greedy tokens are transformers' either way."""
+    from mcore_rl.rollout.base import Request, SamplingParams, flatten, new_group
+    from mcore_rl.rollout.dp_routing import assign_ranks
+
+    def served(requests, routed=True):
+        return group.ray.get(group.heads[0].__ray_call__.remote(_served, requests, routed))
+
+    a, b = list(range(60, 108)), list(range(150, 190))  # no token in common
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
+    samples = served(flatten([a, b], greedy.with_(n=4)))  # GRPO's shape: prompt-major, no group
+    ranks = [d for d, _, _ in samples]
+    assert ranks == [0] * 4 + [1] * 4, ranks  # a, the heavier, to rank 0 (SGLang's own numbering)
+    for p, got in ((a, samples[:4]), (b, samples[4:])):  # prefilled once, first: every sample finds it cached
+        assert [k for _, k, _ in got] == [len(p) - 1] * 4, samples  # (SGLang computes a prompt's last token)
+        assert all(o == R.transformers_greedy(hf_model, p, 2)[0] for _, _, o in got), samples
+    c = list(range(110, 150))
+    spread = served(flatten([c], greedy.with_(n=4)), routed=False)
+    assert {d for d, _, _ in spread} == {0, 1} and {d for d, k, _ in spread if k == 0} == {0, 1}, spread
+    groups = new_group(), new_group()
+    turn1 = served([Request(tuple(p), greedy, g) for p, g in zip((a, b), groups) for _ in range(4)])
+    assert [d for d, _, _ in turn1] == ranks
+    out_a, out_b = turn1[0][2], turn1[4][2]
+    # turn 2: each conversation its own observation; b's now long, so a fresh placement would swap the ranks
+    turn2 = [Request(tuple(a + out_a + [200 + k]), greedy, groups[0]) for k in range(4)] + \
+            [Request(tuple(b + out_b + [210 + k] * 20), greedy, groups[1]) for k in range(4)]
+    assert assign_ranks(turn2, 2, {}) == [1] * 4 + [0] * 4
+    kept = served(turn2)
+    assert [d for d, _, _ in kept] == ranks, kept
+    assert all(c >= len(p) for (_, c, _), p in zip(kept, [a] * 4 + [b] * 4)), kept  # the prompt from the cache
+    theirs = served(turn2, routed=False)
+    assert all(len({d for d, _, _ in theirs[k:k + 4]}) == 2 for k in (0, 4)), theirs  # each group on both ranks
+    assert min(c for _, c, _ in theirs[:4]) < len(a), theirs  # a prefilled again on the rank without it
+    assert [o for _, _, o in theirs] == [o for _, _, o in kept]
+    print(f"dp affinity, cached tokens: a call's {[k for _, k, _ in samples]} (SGLang's dispatch "
+          f"{[k for _, k, _ in spread]}), a later turn's {[k for _, k, _ in kept]} (SGLang's {[k for _, k, _ in theirs]})")
 
 
 def _hidden_states(server):

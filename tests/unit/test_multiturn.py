@@ -25,12 +25,13 @@ VOCAB, OBS_BASE, STOP = 1000, 2000, 999  # model ids < 1000, the environment's f
 
 
 class ScriptedEngine:
-    """Seeded ids and log-probs per request; keeps every (prompt, completion) it answered."""
+    """Seeded ids and log-probs per request; keeps every (prompt, completion) it answered, and each prompt's group."""
 
     label = "scripted engine"
 
     def __init__(self, stop_chance: float = 0.25, seconds: float = 0.0):
         self.answered: list[tuple[tuple[int, ...], Completion]] = []
+        self.group_of: dict[tuple[int, ...], int | None] = {}  # Request.group
         self.stop_chance, self.seconds, self.calls = stop_chance, seconds, 0
 
     def generate_requests(self, requests):
@@ -47,6 +48,7 @@ class ScriptedEngine:
             c = Completion(ids, [-rng.random() for _ in ids], "stop" if ids[-1] in r.params.stop_token_ids else "length",
                            cached_tokens=len(r.prompt) // 2)
             self.answered.append((tuple(r.prompt), c))
+            self.group_of[tuple(r.prompt)] = r.group
             out.append(c)
         return out
 
@@ -138,6 +140,19 @@ def test_trained_tokens_and_masks_equal_the_engines_own_output():
     assert 2 <= metrics["multiturn/turns_mean"] <= 4
     assert metrics["multiturn/observation_tokens_mean"] > 2
     assert 0 < metrics["multiturn/prefix_cache_hit_rate"] < 1
+
+
+def test_a_prompts_conversations_and_all_their_turns_are_one_group():
+    """Request.group, by which a DP-attention engine keeps a group on one rank's prefix cache
+    (mcore_rl.rollout.dp_routing): one per prompt, on every turn of each of its conversations."""
+    task, engine, _, idx, _, _, _ = run_round(settings())
+    by_prompt: dict[int, set] = {}
+    for p, group in engine.group_of.items():
+        i = next(i for i in set(idx) if p[:len(task.prompts[i])] == tuple(task.prompts[i]))
+        by_prompt.setdefault(i, set()).add(group)
+    assert sorted(by_prompt) == [0, 1, 2, 3, 4] and all(len(g) == 1 and None not in g for g in by_prompt.values())
+    assert len(set.union(*by_prompt.values())) == 5
+    assert len(engine.group_of) > 20  # later turns too, not only each conversation's first request
 
 
 def test_each_misbehaving_tool_ends_only_its_own_conversation():
