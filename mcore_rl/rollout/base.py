@@ -95,17 +95,6 @@ def unflatten(done: list[Completion], n: int) -> list[list[Completion]]:
     return [done[i:i + n] for i in range(0, len(done), n)]
 
 
-def split(items: list, parts: int) -> list[list]:
-    """Contiguous, near-equal chunks (the first ones one longer), so results concatenate in order."""
-    per, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for k in range(parts):
-        end = start + per + (k < extra)
-        out.append(items[start:end])
-        start = end
-    return out
-
-
 def truncate_at_stop(tokens: list[int], log_probs: list[float], stop: Sequence[int]) -> Completion:
     """A completion cut after its first stop id (engines that always sample max_new_tokens)."""
     stops = set(stop)

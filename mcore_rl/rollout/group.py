@@ -3,7 +3,8 @@
 Each engine spans `tp_size` GPUs over `nnodes` nodes and runs as one Ray actor per node (only
 node 0 takes requests). Colocated, engine k sits on the trainer's GPUs k*tp .. (k+1)*tp - 1
 (the trainer's placement group, same bundles); otherwise engines get a placement group of their
-own. A batch is split into contiguous chunks, one per engine, and gathered back in order.
+own. A batch goes to the engines by prefix (`dp_routing`: a prompt's samples and a conversation's
+turns to one engine, balanced by requests, then tokens) and is gathered back in order.
 
 Every call to an engine has a deadline: an engine that dies or hangs becomes an EngineError on
 the driver naming the engine, its node and what it was doing, never a silent hang.
@@ -18,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from mcore_rl.rollout.base import (MEMORY_TAGS, Completion, EngineError, Request, SamplingParams, flatten,
-                                   split, unflatten)
+from mcore_rl.rollout import dp_routing
+from mcore_rl.rollout.base import MEMORY_TAGS, Completion, EngineError, Request, SamplingParams, flatten, unflatten
 
 
 def _wait(refs: list, what: str, names: list[str], timeout_s: float, logs: list[list] | None = None,
@@ -180,6 +181,7 @@ class EngineGroup:
         self.logs = [log_file(log_dir, s.engine, s.node_rank) if log_dir else None for s in slots]
         self.heads = [a for a, s in zip(self.actors, slots) if s.node_rank == 0]
         self.head_names = [n for n, s in zip(self.names, slots) if s.node_rank == 0]
+        self.affinity = dp_routing.RankAffinity(len(self.heads))  # which engine serves a request group
         # each engine's log files, all its nodes' (a node's compiles are in its own)
         self.engine_logs = [[log for log, s in zip(self.logs, slots) if s.engine == h.engine and log]
                             for h in slots if h.node_rank == 0]
@@ -219,14 +221,19 @@ class EngineGroup:
         return unflatten(self.generate_requests(flatten(prompts, params)), params.n)
 
     def generate_requests(self, requests: list[Request]) -> list[Completion]:
-        """Requests as they are (each with its own seed), split over the engines, gathered in order."""
-        chunks = split(requests, self.engines)
-        busy = [k for k, c in enumerate(chunks) if c]
-        outs = _wait([self.heads[k].generate.remote(chunks[k]) for k in busy], "generate",
+        """Requests as they are (each with its own seed) over the engines, gathered in order: a prompt's
+        samples, and a Request.group's (a conversation's later turns too), on one engine, whose prefix
+        cache holds them (dp_routing, as SGLang's DP-attention ranks within an engine)."""
+        per_engine = dp_routing.by_rank(self.affinity.assign(requests))
+        busy = list(per_engine)
+        outs = _wait([self.heads[k].generate.remote([requests[i] for i in per_engine[k]]) for k in busy], "generate",
                      [self.head_names[k] for k in busy], self.timeout_s, logs=[self.engine_logs[k] for k in busy])
-        done = [c for out in outs for c in out]
-        if len(done) != len(requests):
-            raise EngineError(f"{self.label} engines returned {len(done)} completions for {len(requests)} requests")
+        done: list = [None] * len(requests)
+        for k, out in zip(busy, outs):
+            if len(out) != len(per_engine[k]):
+                raise EngineError(f"{self.head_names[k]} returned {len(out)} completions for {len(per_engine[k])} requests")
+            for i, c in zip(per_engine[k], out):
+                done[i] = c
         return done
 
     def weight_target(self) -> EngineTarget:

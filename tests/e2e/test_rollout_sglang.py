@@ -48,6 +48,26 @@ def test_release_right_after_generate(ds_two):
     assert all(h["alive"] for h in ds_two.health())
 
 
+def test_a_conversation_stays_on_its_engine(ds_two):
+    """Two engines: a group's requests (a prompt's conversations) go to one engine, and its later turn
+    to the same one, whose prefix cache holds its prompt (SGLang's cached_tokens), even where a fresh
+    placement would put it on the other; a new group meanwhile takes what is free."""
+    from mcore_rl.rollout.base import Request, SamplingParams, new_group
+    from mcore_rl.rollout.dp_routing import assign_ranks
+
+    a, b, c = list(range(20, 60)), list(range(215, 245)), [5, 6, 7, 8, 9] * 14  # no token in common
+    greedy, groups = SamplingParams(temperature=0.0, max_new_tokens=2), (new_group(), new_group())
+    turn1 = ds_two.generate_requests([Request(tuple(p), greedy, g) for p, g in zip((a, b), groups) for _ in range(2)])
+    assert [t.cached_tokens for t in turn1] != [None] * 4
+    turn2 = [Request(tuple(c), greedy, new_group())] * 3 + \
+            [Request(tuple(p + t.token_ids + [k]), greedy, g) for p, t, g, k in zip((a, b), turn1[::2], groups, (250, 251))]
+    engine_of_a = ds_two.affinity.known[groups[0]]
+    assert assign_ranks(turn2, 2, {})[3] != engine_of_a  # c, new and largest, would take a's engine
+    got = ds_two.generate_requests(turn2)
+    assert got[3].cached_tokens >= len(a) and got[4].cached_tokens >= len(b), [t.cached_tokens for t in got]
+    assert min(t.cached_tokens for t in got[:3]) == 0  # c computed on its engine
+
+
 def test_engine_processes_are_forked_from_their_actor(ds_two):
     """On CPU an engine's scheduler and detokenizer are forked from its Ray actor, inheriting its
     imports; spawned, each imported SGLang, torch and transformers again (7-11 s of CPU apiece)."""
