@@ -7,11 +7,12 @@ with `Request.group` set, a group's: a multi-turn conversation's samples and the
 go to one rank, the groups balanced over the ranks by requests, then tokens; a group seen before
 keeps its rank.
 
-On its rank a prompt's samples still arrive together: those in one prefill batch each compute it, and
-under DP attention SGLang gives a rank's prefill batch chunked_prefill_size / dp_size tokens (2K of a 4K
-prompt at our 8K, DP 4), so the others find only its first chunk cached. A prompt asked more than once
-is therefore prefilled alone first (`repeated_prompts`, SGLang's max_new_tokens=0, as SGLang's own
-parallel sampling does), and its samples then find all of it cached.
+On its rank a prompt's samples still arrive together: those in one prefill batch each compute it (so
+on an engine without DP attention too), and under DP attention SGLang gives a rank's prefill batch
+chunked_prefill_size / dp_size tokens (2K of a 4K prompt at our 8K, DP 4), so the others find only its
+first chunk cached. A prompt asked more than once is therefore prefilled alone first
+(`repeated_prompts`, SGLang's max_new_tokens=0, as SGLang's own parallel sampling does;
+`SGLangServer.outputs`), and its samples then find all of it cached.
 """
 
 from __future__ import annotations

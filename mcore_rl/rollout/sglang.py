@@ -340,27 +340,24 @@ class SGLangServer:
         return done
 
     def outputs(self, requests: list[Request]) -> list[dict]:
-        """SGLang's answer to each request, in order. Under DP attention each group of requests goes to
-        one rank (mcore_rl.rollout.dp_routing): a call per rank, all at once on the engine's event loop,
-        a prompt asked more than once prefilled first (dp_routing.repeated_prompts)."""
+        """SGLang's answer to each request, in order. A prompt asked more than once is prefilled alone
+        first (dp_routing.repeated_prompts), so that its samples find it in the prefix cache instead of
+        each computing it in one prefill batch. Under DP attention each group of requests goes to one
+        rank (mcore_rl.rollout.dp_routing): a call per rank, all at once on the engine's event loop."""
         if not requests:
             return []
         routes = {"return_routed_experts": True} if self.route_shape else {}
+        per_rank = (dp_routing.by_rank(self.affinity.assign(requests)) if self.affinity is not None
+                    else {None: list(range(len(requests)))})  # None: SGLang's one rank, no route to name
 
-        def batch(idx) -> dict:
-            return dict(input_ids=[list(requests[i].prompt) for i in idx],
-                        sampling_params=[sampling_dict(requests[i]) for i in idx], return_logprob=True, **routes)
-
-        if self.affinity is None:
-            return self.engine.generate(**batch(range(len(requests))))
-        per_rank = dp_routing.by_rank(self.affinity.assign(requests))
-
-        async def rank_call(rank: int, idx: list[int]):
-            route = {self.rank_arg: rank}
+        async def rank_call(rank: int | None, idx: list[int]):
+            route = {} if rank is None else {self.rank_arg: rank}
             repeated = dp_routing.repeated_prompts([requests[i] for i in idx])
             if repeated:
                 await self.engine.async_generate(input_ids=repeated, sampling_params={"max_new_tokens": 0}, **route)
-            return await self.engine.async_generate(**batch(idx), **route)
+            return await self.engine.async_generate(
+                input_ids=[list(requests[i].prompt) for i in idx], sampling_params=[sampling_dict(requests[i]) for i in idx],
+                return_logprob=True, **routes, **route)
 
         async def every_rank():
             return await asyncio.gather(*(rank_call(rank, idx) for rank, idx in per_rank.items()))
