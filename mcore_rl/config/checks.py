@@ -296,9 +296,6 @@ def _check_dp_attention(cfg: Config, errors: list[str], hf: dict | None) -> None
     if hf is not None and not HFModel.from_dict(hf).is_mla:
         errors.append(f"rollout.dp_attention is wired for MLA models (DeepSeek-V3 family), not {hf.get('model_type')}: "
                       "SGLang's layout under it is checked for DeepseekV2 only")
-    if cfg.actor.routing_replay:  # a CPU run's R3 steps reached a log-prob gap of 0.56 (the plain ones < 1e-4)
-        errors.append("actor.routing_replay with rollout.dp_attention: the routes SGLang returns under DP attention "
-                      "are not yet shown to be each request's own; use plain TP engines for R3")
 
 
 def _check_moe_config_dir(cfg: Config, errors: list[str]) -> None:

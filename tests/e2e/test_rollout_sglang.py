@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from mcore_rl.parallel.groups import LISTEN_PORTS
 from mcore_rl.rollout.launch import start_sglang
@@ -88,11 +89,24 @@ def test_tp2_engine_equals_transformers(tp2, models):
     assert digests[0][qkv][1] == [64, 64] and digests[0][qkv][3:] != digests[1][qkv][3:]  # split over TP
 
 
+def _routes_by_rank(server, prompts, lengths):
+    """Run in an engine actor: (output ids, attention-DP rank, routed experts) of each greedy request."""
+    from mcore_rl.rollout.sglang import decode_routes
+
+    outs = server.engine.generate(input_ids=prompts, return_routed_experts=True,
+                                  sampling_params=[{"max_new_tokens": n, "temperature": 0.0} for n in lengths])
+    return [(o["output_ids"], o["meta_info"]["dp_rank"],
+             decode_routes(o["meta_info"], len(p) + len(o["output_ids"]) - 1, *server.route_shape, "SGLang"))
+            for p, o in zip(prompts, outs)]
+
+
 def test_a_dp_attention_engine_equals_transformers_and_each_rank_holds_what_the_layout_places(ray_cluster, models):
     """One TP2 engine with SGLang's DP attention and EP 2 (rollout.dp_attention; the CPU stand-ins of
     mcore_rl.rollout.sglang_cpu): its two ranks serve their own requests, routed a prompt's samples or a
     conversation's turns to one rank (check_dp_affinity), and the greedy tokens and log-probs are
-    transformers'. Each rank, read back, holds what the sync's layout places there:
+    transformers'. The experts it returns for each token (R3, actor.routing_replay) are
+    those transformers' routers pick, on both ranks, through batches the ranks pad to each other's
+    and steps where one is idle. Each rank, read back, holds what the sync's layout places there:
     attention, embeddings, lm_head and the dense MLP whole (the experts aside: SGLang's CPU engine pads
     this model's at tp 2; tests/e2e/test_sglang_sync.py checks them, and our sync, bit for bit)."""
     import glob
@@ -110,11 +124,20 @@ def test_a_dp_attention_engine_equals_transformers_and_each_rank_holds_what_the_
     layout = EngineLayout(2, 2, 1, 2, attn_dp_size=2)
     # a rank's prefill batch (SGLang's chunked_prefill_size / dp_size) 32 tokens, less than check_dp_affinity's
     # 48-token prompts, as 2K of our default 8192 at DP 4 is to 4K-token prompts; the other checks' are shorter
-    cfg = R.rollout_cfg("sglang", tp_size=2, ep_size=2, dp_attention=True, chunked_prefill_size=64)
+    cfg = R.rollout_cfg("sglang", tp_size=2, ep_size=2, dp_attention=True, chunked_prefill_size=64,
+                        engine_kwargs={"enable_return_routed_experts": True})
     group = start_sglang(cfg, model_dir, [EngineSlot(0, 0, pg, 0, None, owns_pg=True)], layout, 0)
     try:
         R.check_against_transformers(group, hf_model)
         check_dp_affinity(group, hf_model)
+        # 7 requests of 1-9 tokens, 2-8 steps each: dealt 4 and 3, decodes padded to the other rank's, then one idle
+        prompts = R.PROMPTS + [[51, 52, 53, 54, 55, 56, 57, 58, 59], [61], [71, 72, 73, 74, 75, 76]]
+        got = ray_cluster.get(group.heads[0].__ray_call__.remote(_routes_by_rank, prompts, [8, 3, 6, 2, 8, 5, 7]))
+        assert {rank for _, rank, _ in got} == {0, 1}
+        moe = [i for i, layer in enumerate(hf_model.model.layers) if hasattr(layer.mlp, "gate")]
+        for p, (out, rank, routes) in zip(prompts, got):
+            engine = torch.as_tensor(routes[:, moe]).sort(-1).values
+            assert torch.equal(engine.long(), R.transformers_routes(hf_model, p + out[:-1]).long()), (p, rank)
         expected = ExpectedDigests(layout, HFModel.from_dir(model_dir), [0, 1])
         for f in glob.glob(os.path.join(model_dir, "*.safetensors")):
             expected.add(load_file(f).items())

@@ -88,8 +88,11 @@ def shifted(run):
 
 
 def shift_expert_bias(actor):
-    """Trainer only: a bias that reorders each token's experts, not their weights."""
-    g = torch.Generator().manual_seed(actor.rank)
+    """Trainer only: a bias that reorders each token's experts, not their weights. The same on every
+    rank, as megatron keeps the replicated router: seeded by rank, the ranks' routers differed, and
+    so did the ranks of a DP-attention engine they synced (each routing the batch its own way: the
+    0.56 gap that had R3 refused under DP attention)."""
+    g = torch.Generator().manual_seed(0)
     for m in actor.model.modules():
         if getattr(m, "expert_bias", None) is not None:
             m.expert_bias.add_(torch.randn(m.expert_bias.shape, generator=g) * 0.5)

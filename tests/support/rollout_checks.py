@@ -121,6 +121,23 @@ def transformers_greedy(model, prompt: list[int], steps: int, stop_id: int = STO
     return ids[0, len(prompt):].tolist(), logps
 
 
+def transformers_routes(model, tokens: list[int]) -> torch.Tensor:
+    """[tokens, MoE layers, top-k] experts transformers' routers pick for each token of `tokens` (its
+    DeepSeek gates' top-k indices, read by forward hooks), each token's set sorted."""
+    picked, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):  # a dense layer has none
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda m, args, out, i=i: picked.__setitem__(i, out[-1].reshape(len(tokens), -1))))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([picked[i] for i in sorted(picked)], 1).sort(-1).values
+
+
 def check_against_transformers(group, hf_model, prompts=PROMPTS, steps=8):
     got = group.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=steps, stop_token_ids=(STOP,)))
     for p, (c,) in zip(prompts, got):
