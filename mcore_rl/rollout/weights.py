@@ -20,7 +20,7 @@ from mcore_rl.config import checks as config_checks
 from mcore_rl.models.config import HFModel
 from mcore_rl.parallel.groups import Layout, rendezvous_on
 from mcore_rl.sync.checksum import WeightMismatch
-from mcore_rl.sync.engine_layout import compare_engine
+from mcore_rl.sync.engine_layout import compare_engine, held_whole, replica_problems
 from mcore_rl.sync.engine_layout import EngineLayout
 from mcore_rl.sync.plan import SyncPlan, single_source
 from mcore_rl.sync.session import SyncSpec, merge_expected
@@ -48,6 +48,7 @@ class WeightSync:
                         master=master, disk_dir=os.path.join(run_dir, "sync_disk"), hf_dir=hf_dir,
                         timeout_s=cfg.rollout.timeout_s, direct_load=cfg.rollout.sync_load == "direct")
         actors.call("setup_sync", spec)
+        self.whole = held_whole(plan.tensors, layout, hf)  # read back equal on every rank of an engine
         self.kind, self.syncs = kind, 0
         self.probe = probe_sequences(hf, rows=2 * (len(where) // (p.tp * p.pp)))
         self.tol, self.probe_on_verify = cfg.rollout.verify_logprob_tol, cfg.rollout.verify_sync_probe
@@ -99,7 +100,8 @@ class WeightSync:
     def _digest_problems(self, expected: dict[int, dict[int, dict]]) -> tuple[list[str], dict]:
         actual = self.engines.weight_digests()
         return [problem for k, name in enumerate(self.engines.head_names)
-                for problem in compare_engine(expected.get(k, {}), actual.get(k, {}), name)], {}
+                for problem in compare_engine(expected.get(k, {}), actual.get(k, {}), name)
+                + replica_problems(actual.get(k, {}), self.whole, name)], {}
 
     def _probe_gaps(self) -> list[torch.Tensor]:
         """Each engine's |log-prob - the trainer's| on every token of the probe sequences."""

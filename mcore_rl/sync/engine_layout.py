@@ -516,6 +516,30 @@ class ExpectedDigests:
                     have[0], have[1] = (have[0] + s) & _U64, (have[1] + w) & _U64
 
 
+def held_whole(names, layout: EngineLayout, hf) -> set[str]:
+    """The engine parameters every rank of `layout` holds whole, from HF tensors `names`: no source of
+    theirs split over the ranks, none an expert. Such a parameter is one tensor on every rank."""
+    whole, split = set(), set()
+    for name in names:
+        target, rule = engine_param(name, hf)
+        ranks = {layout.parts_of(rule, r)[0] for r in range(layout.tp_size)}
+        (whole if ranks == {1} and not rule.split.startswith("moe_") else split).add(target)
+    return whole - split
+
+
+def replica_problems(actual: dict[int, dict], whole: set[str], where: str) -> list[str]:
+    """Problems (as lines) where an engine's ranks read back different digests of a parameter each holds
+    whole (`held_whole`): each rank matches the trainer rank that fed it, but those trainer ranks
+    disagree on a tensor they should share (a router's bias shifted on one rank only, say)."""
+    problems = []
+    for param in sorted(whole):
+        got = {r: (d[param][3] & _U64, d[param][4] & _U64) for r, d in sorted(actual.items()) if param in d}
+        if len(set(got.values())) > 1:
+            problems.append(f"{where}: {param} differs between tp ranks {sorted(got)}, each of which holds it "
+                            "whole: the trainer ranks that fed them disagree on it")
+    return problems
+
+
 def compare_engine(expected: dict[int, dict], actual: dict[int, dict], where: str) -> list[str]:
     """Problems (as lines) between expected digests and an engine's `weight_digests()` per tp rank:
     a parameter the sync filled that differs or is missing, or one the engine has that no synced

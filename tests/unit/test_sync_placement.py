@@ -106,3 +106,35 @@ def test_a_read_back_names_a_rank_that_was_expected_nothing():
         layer.bias[0] += 1
     assert compare_engine({0: want}, {0: weight_digests(layer)}, "engine 0") == [
         "engine 0 tp rank 0: bias differs from the trainer's weights"]
+
+
+def test_a_read_back_names_engine_ranks_that_disagree_on_a_tensor_each_holds_whole():
+    """A parameter every rank of an engine holds whole must read back the same on each: ranks fed by
+    trainer ranks that disagree on it (a router bias shifted on one only) each match their own feed, so
+    only this comparison sees it. Which parameters count follows the engine layout: under DP attention
+    attention, embeddings and the dense MLP are whole per rank, never the experts."""
+    import torch
+
+    from mcore_rl.memory.layout import hf_shapes
+    from mcore_rl.models.config import HFModel
+    from mcore_rl.rollout.sglang_plugin import weight_digests
+    from mcore_rl.sync.engine_layout import held_whole, replica_problems
+    from tests.support.tiny_models import FAMILIES
+
+    hf = HFModel.from_dict({"model_type": "deepseek_v3", **FAMILIES["deepseek_v3"][1]})
+    names = list(hf_shapes(hf))
+    bias, q_b = "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.self_attn.q_b_proj.weight"
+    plain, dp = held_whole(names, EngineLayout(2, 2), hf), held_whole(names, EngineLayout(2, 2, attn_dp_size=2), hf)
+    assert {bias, "model.norm.weight", "model.layers.0.input_layernorm.weight"} <= plain
+    assert q_b not in plain and "model.embed_tokens.weight" not in plain
+    assert {q_b, "model.embed_tokens.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= dp - plain
+    assert not any("experts" in p for p in dp)
+
+    layer = torch.nn.Linear(4, 3)
+    same = weight_digests(layer)
+    assert replica_problems({0: same, 1: same}, {"bias", "weight"}, "engine 0") == []
+    with torch.no_grad():
+        layer.bias[0] += 1
+    assert replica_problems({0: same, 1: weight_digests(layer)}, {"bias", "weight"}, "engine 0") == [
+        "engine 0: bias differs between tp ranks [0, 1], each of which holds it whole: the trainer ranks "
+        "that fed them disagree on it"]
