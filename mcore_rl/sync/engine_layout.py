@@ -522,8 +522,8 @@ def held_whole(names, layout: EngineLayout, hf) -> set[str]:
     whole, split = set(), set()
     for name in names:
         target, rule = engine_param(name, hf)
-        ranks = {layout.parts_of(rule, r)[0] for r in range(layout.tp_size)}
-        (whole if ranks == {1} and not rule.split.startswith("moe_") else split).add(target)
+        parts, _ = layout.parts_of(rule, 0)  # a rule's part count is the same on every rank
+        (whole if parts == 1 and not rule.split.startswith("moe_") else split).add(target)
     return whole - split
 
 
