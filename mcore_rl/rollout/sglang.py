@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from mcore_rl.config import checks as config_checks
 from mcore_rl.parallel.groups import free_port
-from mcore_rl.rollout import dp_routing, engine_logs, engine_start, jit_cache, model_files
+from mcore_rl.rollout import dp_routing, engine_start, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
+from mcore_rl.rollout.engine_process import EngineProcess
 from mcore_rl.rollout.spawn import children_forked, children_skip_main
 from mcore_rl.sync.engine_layout import EngineLayout, SyncPlanError
 
@@ -254,7 +255,7 @@ def _ok(result, what: str):
     return result
 
 
-class SGLangServer:
+class SGLangServer(EngineProcess):
     """Node `node_rank` of one SGLang engine, in its own Ray actor process. Only node 0 serves."""
 
     READBACK = "digests"  # how a sync is verified (see WeightSync.verify)
@@ -262,13 +263,8 @@ class SGLangServer:
     def __init__(self, device: str, visible_devices: str | None = None, env: dict | None = None):
         """The engine's process as it starts, before its engine: its environment and log file, and
         SGLang imported (10-25 s on a GPU node), while the trainer builds; `start` builds the engine."""
-        os.environ.update(env or {})
-        engine_logs.to_log_file()  # before SGLang is imported: its import warnings too
-        jit_cache.apply(os.environ.get(jit_cache.DIR_ENV))
+        super().__init__("SGLang", visible_devices, env)
         t0 = time.perf_counter()
-        engine_start.mark("importing SGLang")
-        if visible_devices is not None:  # the engine's GPUs, by physical index (Ray gives us one)
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         # SGLang's spawned processes take this process's sys.path: the plugin must be on it
         sys.path.insert(0, SITE_DIR)
         if device == "cpu":  # and, on CPU, the stand-ins at their interpreter's start
@@ -285,7 +281,7 @@ class SGLangServer:
 
         self.version, self.device, self.engine_module = sglang.__version__, device, engine_module
         self.known = server_arg_names()
-        self.engine, self.start_seconds, self.nccl_port, self.compiles = None, None, None, None
+        self.engine, self.nccl_port = None, None
         engine_start.mark(f"SGLang {self.version} imported in {time.perf_counter() - t0:.0f} s")
 
     def start(self, engine_args: dict) -> dict:
@@ -303,15 +299,10 @@ class SGLangServer:
             engine_args = {**engine_args, "nccl_port": free_port()}
         self.nccl_port = engine_args.get("nccl_port")
         engine_args = adapt_args(engine_args, self.known)
-        t0 = time.perf_counter()
-        engine_start.mark(f"starting SGLang {self.version}'s engine: model, KV cache"
-                          + (", CUDA graphs" if device == "gpu" else ""))
         start = children_forked(self.engine_module) if device == "cpu" else children_skip_main()
-        self.compiles = engine_start.CompileWatch().start()  # for the engine's life: first-use compiles too
-        with start:
+        with self.engine_built(f"starting SGLang {self.version}'s engine: model, KV cache"
+                               + (", CUDA graphs" if device == "gpu" else "")), start:
             self.engine = self.engine_module.Engine(**engine_args)
-        engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
-        self.start_seconds = time.perf_counter() - t0
         # DP attention: a group of requests to one rank, its prefix cache's (dp_routing), by SGLang's argument
         # for the rank (its older name: data_parallel_rank)
         self.affinity = dp_routing.RankAffinity(self.rpc_peers) if self.rpc_peers > 1 else None
@@ -505,15 +496,8 @@ class SGLangServer:
         return {"engine": "sglang", "version": self.version, "node_rank": self.node_rank, "pid": os.getpid(),
                 "nccl_port": self.nccl_port, "start_seconds": round(self.start_seconds, 2), "alive": True}
 
-    def child_pids(self) -> list[int]:
-        import psutil
-
-        return [p.pid for p in psutil.Process().children(recursive=True)]
-
     def shutdown(self) -> None:
-        if self.compiles is not None:
-            self.compiles.stop()
-            self.compiles = None
+        self.stop_watching_compiles()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -25,9 +25,10 @@ import tempfile
 import threading
 import time
 
-from mcore_rl.rollout import engine_logs, engine_start, jit_cache, model_files
+from mcore_rl.rollout import engine_start, jit_cache, model_files
 from mcore_rl.rollout.model_files import DTYPE_NAMES
 from mcore_rl.rollout.base import Completion, EngineError, Request, check_tags
+from mcore_rl.rollout.engine_process import EngineProcess
 from mcore_rl.rollout.spawn import children_skip_main
 from mcore_rl.sync.engine_layout import EngineLayout
 
@@ -122,7 +123,7 @@ def completion(out, cached_tokens: int | None = None) -> Completion:
                       "stop" if out.finish_reason == "stop" else "length", cached_tokens=cached_tokens)
 
 
-class VLLMServer:
+class VLLMServer(EngineProcess):
     """One vLLM engine (all its TP ranks on this node) in its own Ray actor process."""
 
     READBACK = "logprobs"  # how a sync is verified (see WeightSync.verify)
@@ -130,13 +131,8 @@ class VLLMServer:
     def __init__(self, device: str, visible_devices: str | None = None, env: dict | None = None):
         """The engine's process as it starts, before its engine: its environment and log file, and
         vLLM imported, while the trainer builds; `start` builds the engine."""
-        os.environ.update(env or {})
-        engine_logs.to_log_file()  # before vLLM is imported: its import warnings too
-        jit_cache.apply(os.environ.get(jit_cache.DIR_ENV))
+        super().__init__("vLLM", visible_devices, env)
         t0 = time.perf_counter()
-        engine_start.mark("importing vLLM")
-        if visible_devices is not None:  # the engine's GPUs, by physical index
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         # a temp dir of its own: vLLM's processes leave files in it (vllm_dist_*) when one is killed
         self.tmp = tempfile.mkdtemp(prefix="mcore_rl_vllm_")
         os.environ["TMPDIR"] = tempfile.tempdir = self.tmp
@@ -145,21 +141,16 @@ class VLLMServer:
 
         jit_cache.share_inductor_headers()  # TMPDIR above would keep them in self.tmp, for this engine only
         self.version, self.device, self.llm_class = vllm.__version__, device, LLM
-        self.llm, self.start_seconds, self.asleep, self.compiles = None, None, False, None
+        self.llm, self.asleep = None, False
         engine_start.mark(f"vLLM {self.version} imported in {time.perf_counter() - t0:.0f} s")
 
     def start(self, engine_args: dict) -> dict:
         """Build the engine: the model, the KV cache and, on GPUs, its compile and CUDA graphs.
         Colocated, only once the trainer holds no more than the memory plan's rollout phase gives
         it. Returns `health()`."""
-        t0 = time.perf_counter()
-        engine_start.mark(f"starting vLLM {self.version}'s engine: model, KV cache"
-                          + (", compile, CUDA graphs" if self.device == "gpu" else ""))
-        self.compiles = engine_start.CompileWatch().start()  # for the engine's life: first-use compiles too
-        with children_skip_main():
+        with self.engine_built(f"starting vLLM {self.version}'s engine: model, KV cache"
+                               + (", compile, CUDA graphs" if self.device == "gpu" else "")), children_skip_main():
             self.llm = self.llm_class(**engine_args)
-        engine_start.mark(f"started in {time.perf_counter() - t0:.0f} s")
-        self.start_seconds = time.perf_counter() - t0
         return self.health()
 
     # ---- every engine call runs watched ------------------------------------------------------------
@@ -272,15 +263,8 @@ class VLLMServer:
         return {"engine": "vllm", "version": self.version, "node_rank": 0, "pid": os.getpid(),
                 "start_seconds": round(self.start_seconds, 2), "alive": True}
 
-    def child_pids(self) -> list[int]:
-        import psutil
-
-        return [p.pid for p in psutil.Process().children(recursive=True)]
-
     def shutdown(self) -> None:
-        if self.compiles is not None:
-            self.compiles.stop()
-            self.compiles = None
+        self.stop_watching_compiles()
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
