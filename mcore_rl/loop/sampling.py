@@ -40,7 +40,7 @@ def sample_step_batch(cfg: C.Config, engine, source, prompt_idx: list[int], seed
         batch, idx, score, reward, metrics = _filtered(cfg, generate, len(source.prompts), prompt_idx, seed)
     else:
         (batch, idx, score, reward), metrics = generate(prompt_idx, seed), {}
-    if hasattr(generate, "metrics"):  # multi-turn: turns, tool calls and failures, time in tools
+    if hasattr(generate, "metrics"):  # the rounds' prefix-cache hits; multi-turn: turns, tool calls, time in tools
         metrics.update(generate.metrics())
     if cfg.reward.overlong_buffer.enable:
         penalty = reward - score
@@ -79,12 +79,7 @@ def round_generator(cfg: C.Config, engine, source) -> Callable[[list[int], int],
     """generate(prompts, seed) -> (batch, idx, score, reward) of one round on `engine`: single
     responses, or conversations (rollout.env / rollout.generate_fn, mcore_rl.rollout.multiturn)."""
     experts = expert_layout(cfg)  # once: every round's routes have it
-    if is_multiturn(cfg):
-        return MultiTurnRounds(cfg, engine, source, experts)
-
-    def generate(prompts: list[int], round_seed: int):
-        return _generate(cfg, engine, source, prompts, round_seed, experts)
-    return generate
+    return (MultiTurnRounds if is_multiturn(cfg) else SingleTurnRounds)(cfg, engine, source, experts)
 
 
 def expert_layout(cfg: C.Config):
@@ -92,9 +87,32 @@ def expert_layout(cfg: C.Config):
     return ExpertLayout.of(config_checks.hf_model_dims(cfg.model)) if config_checks.returns_routes(cfg) else None
 
 
-def _generate(cfg, engine, source, prompts: list[int], seed: int, experts):
-    idx = [i for i in prompts for _ in range(cfg.rollout.n)]
-    return step_batch.scored(cfg, source, idx, step_batch.rollout(engine, source, idx, step_batch.sampling_params(cfg, source, seed), experts))
+class SingleTurnRounds:
+    """generate(prompts, seed) of one response a sample; metrics() drains the rounds' prefix-cache
+    hits: the share of the samples' prompt tokens their engine took from its prefix cache (the
+    engines report it: SGLang's cached_tokens, vLLM's num_cached_tokens). rollout.n samples of a
+    prompt go to one engine and rank, which prefills the prompt once (rollout.dp_routing), so the
+    share is near 1 - 1 / prompt length when that works."""
+
+    def __init__(self, cfg: C.Config, engine, source, experts=None):
+        self.cfg, self.engine, self.source, self.experts = cfg, engine, source, experts
+        self.cached = self.prompt_tokens = 0
+
+    def __call__(self, prompts: list[int], seed: int):
+        idx = [i for i in prompts for _ in range(self.cfg.rollout.n)]
+        done = step_batch.sample(self.engine, self.source, idx, step_batch.sampling_params(self.cfg, self.source, seed))
+        for c, i in zip(done, idx):
+            if c.cached_tokens is not None:
+                self.cached += c.cached_tokens
+                self.prompt_tokens += len(self.source.prompts[i])
+        batch = step_batch.completions_batch(self.source, idx, done, self.experts,
+                                             getattr(self.engine, "label", "the rollout engine"))
+        return step_batch.scored(self.cfg, self.source, idx, batch)
+
+    def metrics(self) -> dict:
+        out = {"rollout/prefix_cache_hit_rate": self.cached / self.prompt_tokens} if self.prompt_tokens else {}
+        self.cached = self.prompt_tokens = 0
+        return out
 
 
 def round_size(cfg: C.Config, step_prompts: int) -> int:

@@ -63,12 +63,17 @@ def rollout(engine, source, idx: list[int], params, experts=None) -> dict:
     right-padded to the longest), attention_mask, response_mask (1 up to and including the stop
     token; a multi-turn completion's 0 on the environment's tokens) and the engine's log-probs of its sampled tokens (rollout_log_probs). experts (an
     mcore_rl.models.routed_experts.ExpertLayout, when the engine returns routes): also the engine's routes."""
+    return completions_batch(source, idx, sample(engine, source, idx, params), experts,
+                             getattr(engine, "label", "the rollout engine"))
+
+
+def sample(engine, source, idx: list[int], params) -> list:
+    """The engine's Completions of the prompts `idx` (each repeated rollout.n times in a row), one a sample."""
     n = params.n
     firsts = idx[::n]
     if [i for i in firsts for _ in range(n)] != idx:
         raise ValueError(f"prompt indices must come in runs of rollout.n = {n}")
-    done = [c for group in engine.generate([source.prompts[i] for i in firsts], params) for c in group]
-    return completions_batch(source, idx, done, experts, getattr(engine, "label", "the rollout engine"))
+    return [c for group in engine.generate([source.prompts[i] for i in firsts], params) for c in group]
 
 
 def completions_batch(source, idx: list[int], done: list, experts=None, engine_label: str = "the rollout engine"

@@ -153,6 +153,10 @@ def test_tiny_grpo_learns_with_sglang_and_resumes_after_sigkill(tmp_path):
     assert all(set(MISMATCH) <= set(steps[k]) and 0 < steps[k]["rollout/route_agreement"] <= 1
                for k in range(1, 31)), steps[30]
     assert all(steps[k]["sync/bytes"] > 0 for k in range(1, 31))
+    # a prompt's rollout.n samples go to one engine, which prefills the prompt once before them (SGLang
+    # computes a prompt's last token again): each sample finds the rest of its prompt cached
+    hit = [steps[k]["rollout/prefix_cache_hit_rate"] for k in range(1, 31)]
+    assert all(0.5 < h < 1 for h in hit), hit
     # the colocated phases' timings every step but step 10, whose sync is the resumed run's first
     # (of the checkpoint's weights, as step 0's is of the initial ones): each run's first sync is
     # read back from both engines
