@@ -91,7 +91,7 @@ class SingleTurnRounds:
     """generate(prompts, seed) of one response a sample; metrics() drains the rounds' prefix-cache
     hits: the share of the samples' prompt tokens their engine took from its prefix cache (the
     engines report it: SGLang's cached_tokens, vLLM's num_cached_tokens). rollout.n samples of a
-    prompt go to one engine and rank, which prefills the prompt once (rollout.dp_routing), so the
+    prompt go to one engine and rank, which prefills the prompt once (mcore_rl.rollout.dp_routing), so the
     share is near 1 - 1 / prompt length when that works."""
 
     def __init__(self, cfg: C.Config, engine, source, experts=None):
