@@ -47,4 +47,3 @@ class EngineProcess:
         import psutil
 
         return [p.pid for p in psutil.Process().children(recursive=True)]
-
